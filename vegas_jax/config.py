@@ -1,0 +1,243 @@
+"""Model configurations: frozen dataclasses in one registry keyed by CLI names.
+
+Hugging Face key names appear only in `from_hf_config`, the one place that reads a
+checkpoint's `config.json`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import jax
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling. `kind` is "llama3" or "yarn"."""
+
+    kind: str
+    factor: float
+    original_max_position: int
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    attention_factor: float | None = None  # yarn; None = 0.1 * ln(factor) + 1
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    name: str
+    arch: str  # "llama" | "qwen3"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_embeddings: bool
+    qk_norm: bool
+    rope_scaling: RopeScaling | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"{self.name}: num_heads={self.num_heads} is not a multiple of "
+                f"num_kv_heads={self.num_kv_heads}"
+            )
+
+    @property
+    def group_size(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    def with_yarn(self, factor: float = 4.0) -> "ModelConfig":
+        """Qwen3's documented long-context switch: YaRN over the native 32K window."""
+        original = 32768 if self.arch == "qwen3" else self.max_position_embeddings
+        return dataclasses.replace(
+            self,
+            rope_scaling=RopeScaling("yarn", factor, original),
+            max_position_embeddings=int(original * factor),
+        )
+
+    def num_params(self) -> int:
+        h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
+        attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
+        per_layer = attn + 3 * h * i + 2 * h + (2 * d if self.qk_norm else 0)
+        head = 0 if self.tie_embeddings else self.vocab_size * h
+        return self.num_layers * per_layer + self.vocab_size * h + h + head
+
+
+# A frozen dataclass is hashable: it can be a static argument of jit.
+jax.tree_util.register_static(ModelConfig)
+jax.tree_util.register_static(RopeScaling)
+
+
+def _qwen3(name, hidden, inter, layers, heads, tie):
+    return ModelConfig(
+        name=name, arch="qwen3", vocab_size=151936, hidden_size=hidden,
+        intermediate_size=inter, num_layers=layers, num_heads=heads, num_kv_heads=8,
+        head_dim=128, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+        max_position_embeddings=40960, tie_embeddings=tie, qk_norm=True,
+        bos_token_id=151643, eos_token_ids=(151645, 151643),
+    )
+
+
+# Values from the official config.json of each checkpoint.
+REGISTRY: dict[str, ModelConfig] = {
+    c.name: c
+    for c in [
+        ModelConfig(
+            name="smollm2-135m", arch="llama", vocab_size=49152, hidden_size=576,
+            intermediate_size=1536, num_layers=30, num_heads=9, num_kv_heads=3,
+            head_dim=64, rope_theta=100_000.0, rms_norm_eps=1e-5,
+            max_position_embeddings=8192, tie_embeddings=True, qk_norm=False,
+            bos_token_id=1, eos_token_ids=(2,),
+        ),
+        _qwen3("qwen3-0.6b", 1024, 3072, 28, 16, True),
+        _qwen3("qwen3-1.7b", 2048, 6144, 28, 16, True),
+        _qwen3("qwen3-4b", 2560, 9728, 36, 32, True),
+        _qwen3("qwen3-8b", 4096, 12288, 36, 32, False),
+        _qwen3("qwen3-14b", 5120, 17408, 40, 40, False),
+        _qwen3("qwen3-32b", 5120, 25600, 64, 64, False),
+        ModelConfig(
+            name="llama-3.1-8b", arch="llama", vocab_size=128256, hidden_size=4096,
+            intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
+            head_dim=128, rope_theta=500_000.0, rms_norm_eps=1e-5,
+            max_position_embeddings=131072, tie_embeddings=False, qk_norm=False,
+            rope_scaling=RopeScaling("llama3", 8.0, 8192, 1.0, 4.0),
+            bos_token_id=128000, eos_token_ids=(128001, 128008, 128009),
+        ),
+    ]
+}
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def get_config(name: str) -> ModelConfig:
+    """Exact-name lookup; a near miss is an error that lists the known names."""
+    try:
+        return REGISTRY[name]
+    except KeyError:
+        known = ", ".join(sorted(REGISTRY))
+        raise ValueError(f"unknown model {name!r}; known models: {known}") from None
+
+
+def _eos_tuple(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+def from_hf_config(hf: dict[str, Any] | str | Path, name: str | None = None) -> ModelConfig:
+    """Build a config from a Hugging Face `config.json` (dict, file or directory)."""
+    if not isinstance(hf, dict):
+        path = Path(hf)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"no config.json at {path}")
+        hf = json.loads(path.read_text())
+    model_type = hf.get("model_type", "llama")
+    if model_type not in ("llama", "qwen3", "mistral"):
+        raise ValueError(
+            f"unsupported model_type {model_type!r}: vegas_jax supports llama and qwen3 checkpoints"
+        )
+    arch = "qwen3" if model_type == "qwen3" else "llama"
+    if hf.get("attention_bias") or hf.get("mlp_bias"):
+        raise ValueError("checkpoints with attention or MLP biases are not supported")
+    heads = hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+    scaling = None
+    rs = hf.get("rope_scaling") or hf.get("rope_parameters")
+    theta = hf.get("rope_theta")
+    if isinstance(rs, dict):
+        theta = rs.get("rope_theta", theta)
+        kind = rs.get("rope_type", rs.get("type"))
+        max_pos = hf.get("max_position_embeddings", 0)
+        if kind == "llama3":
+            scaling = RopeScaling(
+                "llama3", float(rs["factor"]), int(rs["original_max_position_embeddings"]),
+                low_freq_factor=float(rs.get("low_freq_factor", 1.0)),
+                high_freq_factor=float(rs.get("high_freq_factor", 4.0)),
+            )
+        elif kind == "yarn":
+            scaling = RopeScaling(
+                "yarn", float(rs["factor"]),
+                int(rs.get("original_max_position_embeddings") or max_pos),
+                beta_fast=float(rs.get("beta_fast", 32.0)),
+                beta_slow=float(rs.get("beta_slow", 1.0)),
+                attention_factor=rs.get("attention_factor"),
+            )
+        elif kind not in (None, "default"):
+            raise ValueError(f"unsupported rope scaling {kind!r}")
+    return ModelConfig(
+        name=name or hf.get("_name_or_path") or model_type,
+        arch=arch,
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=hf.get("num_key_value_heads", heads),
+        head_dim=head_dim,
+        rope_theta=float(theta if theta is not None else 10000.0),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        qk_norm=arch == "qwen3",
+        rope_scaling=scaling,
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_ids=_eos_tuple(hf.get("eos_token_id")),
+    )
+
+
+def rope_inv_freq(cfg: ModelConfig):
+    """Inverse frequencies [head_dim // 2] and the attention scale factor for cos/sin."""
+    import numpy as np
+
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    rs = cfg.rope_scaling
+    if rs is None:
+        return inv, 1.0
+    if rs.kind == "llama3":
+        low_wl = rs.original_max_position / rs.low_freq_factor
+        high_wl = rs.original_max_position / rs.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        scaled = np.where(wavelen > low_wl, inv / rs.factor, inv)
+        smooth = (rs.original_max_position / wavelen - rs.low_freq_factor) / (
+            rs.high_freq_factor - rs.low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
+        medium = (wavelen >= high_wl) & (wavelen <= low_wl)
+        return np.where(medium, smoothed, scaled), 1.0
+    if rs.kind == "yarn":
+        def corr_dim(rot):
+            return (d * math.log(rs.original_max_position / (rot * 2 * math.pi))) / (
+                2 * math.log(cfg.rope_theta)
+            )
+
+        low = max(math.floor(corr_dim(rs.beta_fast)), 0)
+        high = min(math.ceil(corr_dim(rs.beta_slow)), d - 1)
+        if low == high:
+            high += 0.001
+        ramp = np.clip((np.arange(d // 2) - low) / (high - low), 0, 1)
+        extrapolation = 1 - ramp
+        inv = (inv / rs.factor) * (1 - extrapolation) + inv * extrapolation
+        att = rs.attention_factor
+        if att is None:
+            att = 0.1 * math.log(rs.factor) + 1.0 if rs.factor > 1 else 1.0
+        return inv, float(att)
+    raise ValueError(f"unknown rope scaling {rs.kind!r}")
