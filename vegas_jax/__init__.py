@@ -1,0 +1,22 @@
+"""vegas_jax: self-speculative decoding with verification-guided sparse attention."""
+
+from vegas_jax.config import REGISTRY, ModelConfig, get_config
+from vegas_jax.generate import GenerationResult, generate
+from vegas_jax.sampling import SamplingParams
+from vegas_jax.selection import METHODS, SpecConfig
+from vegas_jax.speculative import speculative_generate
+
+
+def __getattr__(name):
+    # Loading pulls in safetensors / gguf / orbax: import it only when asked for.
+    if name in ("load_model", "Model"):
+        from vegas_jax import loading
+
+        return getattr(loading, name)
+    raise AttributeError(f"module 'vegas_jax' has no attribute {name!r}")
+
+
+__all__ = [
+    "GenerationResult", "METHODS", "Model", "ModelConfig", "REGISTRY", "SamplingParams",
+    "SpecConfig", "generate", "get_config", "load_model", "speculative_generate",
+]

@@ -1,0 +1,284 @@
+"""Vanilla autoregressive decoding, and what every decoding loop shares: prompt
+preparation, input checks, the memory estimate, prefill and the result type."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from vegas_jax.attention import AttnSpec, default_impl
+from vegas_jax.cache import KVCache, cache_bytes, init_cache
+from vegas_jax.config import ModelConfig
+from vegas_jax.model import forward, param_bytes
+from vegas_jax.sampling import SamplingParams, sample
+
+PROMPT_BUCKET = 64  # prompts are padded to a multiple of this: fewer compilations
+LEN_BUCKET = 128  # cache lengths are rounded up to this
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    tokens: list[list[int]]  # new tokens per prompt (EOS included when it ended the text)
+    text: list[str] | None  # decoded new tokens, when the model has a tokenizer
+    stats: dict[str, Any]
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def encode_prompts(model, prompts) -> list[list[int]]:
+    """Strings or lists of token ids -> lists of token ids, checked."""
+    if isinstance(prompts, (str, bytes)) or (
+        isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], (int, np.integer))
+    ):
+        raise TypeError("prompts must be a list of prompts (strings or lists of token ids)")
+    prompts = list(prompts)
+    if not prompts:
+        raise ValueError("empty batch: pass at least one prompt")
+    out = []
+    vocab = model.config.vocab_size
+    for i, p in enumerate(prompts):
+        if isinstance(p, str):
+            if model.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass prompts as token ids")
+            ids = list(model.tokenizer.encode(p))
+        else:
+            ids = [int(t) for t in p]
+        if not ids:
+            raise ValueError(f"prompt {i} is empty")
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt {i} has token ids outside [0, {vocab}): {bad[:5]}")
+        out.append(ids)
+    return out
+
+
+def plan_cache_len(cfg: ModelConfig, prompt_lens, max_new_tokens: int, extra: int) -> int:
+    """Static cache length for this batch; refuses prompts that do not fit the context."""
+    if int(max_new_tokens) != max_new_tokens or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a whole number >= 1, got {max_new_tokens}")
+    longest = max(prompt_lens)
+    need = longest + max_new_tokens
+    if need > cfg.max_position_embeddings:
+        raise ValueError(
+            f"prompt of {longest} tokens + {max_new_tokens} new tokens = {need} exceeds "
+            f"{cfg.name}'s context of {cfg.max_position_embeddings} tokens"
+        )
+    # Decoding writes a few entries past the last kept token (speculative drafts, finished
+    # sequences idling): keep room for them so no write is ever dropped.
+    return _round_up(max(_round_up(longest, PROMPT_BUCKET), need) + extra, LEN_BUCKET)
+
+
+def available_bytes() -> int | None:
+    dev = jax.devices()[0]
+    stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
+    if stats and "bytes_limit" in stats:
+        return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    except (ValueError, OSError):
+        return None
+
+
+def check_memory(model, batch: int, max_len: int, prompt_len: int, extra_bytes: int = 0):
+    """Refuse up front, with numbers, when the KV cache and activations cannot fit."""
+    cfg = model.config
+    dtype = jax.tree.leaves(model.params)[0].dtype
+    kv = cache_bytes(cfg, batch, max_len, dtype)
+    # Largest transients: prefill activations and the chunked attention logits.
+    act = batch * prompt_len * (cfg.hidden_size * 4 + cfg.intermediate_size * 3) * 4
+    att = batch * cfg.num_heads * min(prompt_len, 512) * max_len * 4 * 3
+    logits = batch * cfg.vocab_size * 4 * 4
+    need = kv + act + att + logits + extra_bytes
+    free = available_bytes()
+    if free is not None and need > 0.9 * free:
+        gib = 1 << 30
+        raise MemoryError(
+            f"not enough memory: KV cache {kv / gib:.2f} GiB (batch {batch} x {max_len} "
+            f"positions) + activations ~{(need - kv) / gib:.2f} GiB > 90% of the "
+            f"{free / gib:.2f} GiB free (weights {param_bytes(model.params) / gib:.2f} GiB "
+            f"already loaded). Use a smaller batch, shorter prompts or fewer new tokens."
+        )
+    return need
+
+
+def pad_prompts(prompts: list[list[int]]):
+    lens = np.array([len(p) for p in prompts], np.int32)
+    width = _round_up(int(lens.max()), PROMPT_BUCKET)
+    toks = np.zeros((len(prompts), width), np.int32)
+    for i, p in enumerate(prompts):
+        toks[i, : len(p)] = p
+    return jnp.asarray(toks), jnp.asarray(lens)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("cfg", "impl", "capture"), donate_argnames=("cache",)
+)
+def prefill(params, cfg: ModelConfig, tokens, lens, cache: KVCache, impl: str, capture: bool):
+    """Full causal attention over the (right-padded) prompts.
+
+    Returns (logits of each prompt's last token [b, v], cache with lengths = lens, scores):
+    with `capture`, the last prompt token is run once more as a one-row verify whose
+    attention yields the first selection's scores [L, b, s] (DESIGN §1.5).
+    Padding writes K/V past each prompt's end; those slots are overwritten before any
+    query can see them (every query sees only positions <= its own).
+    """
+    b, t = tokens.shape
+    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    logits, cache, _ = forward(params, cfg, tokens, pos, cache, AttnSpec(impl=impl),
+                               logits_at=lens - 1)
+    scores = None
+    if capture:
+        last = jnp.take_along_axis(tokens, (lens - 1)[:, None], axis=1)
+        spec = AttnSpec(impl=impl, capture="mean", capture_rows=(0,))
+        logits, cache, scores = forward(params, cfg, last, (lens - 1)[:, None], cache, spec)
+    return logits[:, 0], cache.replace(lengths=lens), scores
+
+
+@functools.partial(
+    jax.jit, static_argnames=("cfg", "sp", "impl", "n_steps"), donate_argnames=("cache",)
+)
+def decode_steps(params, cfg, cache: KVCache, tok, active, key, sp, impl, n_steps):
+    """`n_steps` single-token steps in one scan: no host round trip per token.
+
+    Inactive sequences (finished) stay where they are: their length does not advance.
+    """
+
+    def step(carry, k):
+        cache, tok = carry
+        pos = cache.lengths
+        logits, cache, _ = forward(params, cfg, tok[:, None], pos[:, None], cache,
+                                   AttnSpec(impl=impl))
+        nxt, _ = sample(k, logits[:, 0], sp)
+        nxt = jnp.where(active, nxt, tok)
+        return (cache.replace(lengths=pos + active.astype(jnp.int32)), nxt), nxt
+
+    (cache, tok), toks = lax.scan(step, (cache, tok), jax.random.split(key, n_steps))
+    return cache, tok, toks.T  # toks [b, n_steps]
+
+
+class TokenCollector:
+    """Host-side bookkeeping: appends emitted tokens, stops each sequence at EOS or at
+    `max_new_tokens`, and streams what it accepted."""
+
+    def __init__(self, batch, max_new_tokens, eos_ids, on_tokens=None):
+        self.tokens = [[] for _ in range(batch)]
+        self.done = np.zeros(batch, bool)
+        self.max_new = max_new_tokens
+        self.eos = set(int(e) for e in eos_ids)
+        self.on_tokens = on_tokens
+
+    def add(self, rows) -> np.ndarray:
+        """rows: per sequence, the tokens emitted this step (sequence of ints)."""
+        new = []
+        for i, row in enumerate(rows):
+            got = []
+            for t in row:
+                if self.done[i]:
+                    break
+                t = int(t)
+                got.append(t)
+                self.tokens[i].append(t)
+                if t in self.eos or len(self.tokens[i]) >= self.max_new:
+                    self.done[i] = True
+            new.append(got)
+        if self.on_tokens is not None:
+            self.on_tokens(new)
+        return ~self.done
+
+    @property
+    def n_generated(self) -> int:
+        return sum(len(t) for t in self.tokens)
+
+
+def eos_ids(model) -> tuple[int, ...]:
+    ids = set(model.config.eos_token_ids)
+    tok = model.tokenizer
+    if tok is not None and getattr(tok, "eos_token_id", None) is not None:
+        ids.add(int(tok.eos_token_id))
+    return tuple(sorted(ids))
+
+
+def decode_text(model, tokens):
+    if model.tokenizer is None:
+        return None
+    return [model.tokenizer.decode(t, skip_special_tokens=True) for t in tokens]
+
+
+def start(model, prompts, max_new_tokens, sampling, extra_len, attn_impl):
+    """Checks shared by every decoding loop; returns the padded batch and cache plan."""
+    if not isinstance(sampling, SamplingParams):
+        raise TypeError("sampling must be a SamplingParams")
+    ids = encode_prompts(model, prompts)
+    lens = [len(p) for p in ids]
+    max_len = plan_cache_len(model.config, lens, max_new_tokens, extra_len)
+    check_memory(model, len(ids), max_len, max(lens))
+    impl = attn_impl or default_impl()
+    if impl not in ("xla", "pallas"):
+        raise ValueError(f"attn_impl must be 'xla' or 'pallas', got {impl!r}")
+    tokens, lens_arr = pad_prompts(ids)
+    dtype = jax.tree.leaves(model.params)[0].dtype
+    cache = init_cache(model.config, len(ids), max_len, dtype)
+    return ids, tokens, lens_arr, cache, impl
+
+
+def generate(
+    model,
+    prompts,
+    max_new_tokens: int = 128,
+    sampling: SamplingParams = SamplingParams(),
+    seed: int = 0,
+    on_tokens: Callable[[list[list[int]]], None] | None = None,
+    attn_impl: str | None = None,
+    steps_per_call: int = 8,
+) -> GenerationResult:
+    """Vanilla decoding of a batch of prompts of different lengths.
+
+    `on_tokens` receives, after each device call, the new tokens of every sequence.
+    """
+    if steps_per_call < 1:
+        raise ValueError("steps_per_call must be >= 1")
+    cfg = model.config
+    ids, tokens, lens, cache, impl = start(model, prompts, max_new_tokens, sampling,
+                                           steps_per_call, attn_impl)
+    key = jax.random.PRNGKey(seed)
+    key, k0 = jax.random.split(key)
+    collector = TokenCollector(len(ids), max_new_tokens, eos_ids(model), on_tokens)
+
+    t0 = time.perf_counter()
+    logits, cache, _ = prefill(model.params, cfg, tokens, lens, cache, impl, False)
+    tok, _ = sample(k0, logits, sampling)
+    active = collector.add([[t] for t in np.asarray(tok)])
+    prefill_s = time.perf_counter() - t0
+
+    t1 = time.perf_counter()
+    calls = 0
+    while active.any():
+        key, k = jax.random.split(key)
+        cache, tok, toks = decode_steps(model.params, cfg, cache, tok, jnp.asarray(active), k,
+                                        sampling, impl, steps_per_call)
+        active = collector.add(np.asarray(toks))
+        calls += 1
+    decode_s = time.perf_counter() - t1
+    decoded = collector.n_generated - len(ids)  # the first token of each came from prefill
+    stats = {
+        "method": "vanilla",
+        "batch": len(ids),
+        "prompt_tokens": [len(p) for p in ids],
+        "prefill_s": prefill_s,
+        "decode_s": decode_s,
+        "decode_tokens": decoded,
+        "decode_tokens_per_s": decoded / decode_s if decode_s > 0 else float("nan"),
+        "device_calls": calls,
+        "attn_impl": impl,
+    }
+    return GenerationResult(collector.tokens, decode_text(model, collector.tokens), stats)

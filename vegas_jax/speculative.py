@@ -1,0 +1,231 @@
+"""Self-speculative decoding: sparse drafts, one full verify, selection from the verify's
+own attention, lossless acceptance. One jitted round; the Python loop only streams."""
+
+from __future__ import annotations
+
+import functools
+import math
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+from jax import lax
+
+from vegas_jax import selection as sel
+from vegas_jax.attention import AttnSpec
+from vegas_jax.cache import KVCache
+from vegas_jax.config import ModelConfig
+from vegas_jax.generate import (
+    GenerationResult, TokenCollector, decode_text, eos_ids, generate, prefill, start,
+)
+from vegas_jax.model import forward
+from vegas_jax.sampling import SamplingParams, accept, sample
+from vegas_jax.selection import SpecConfig
+
+
+@struct.dataclass
+class SpecState:
+    cache: KVCache  # lengths = committed tokens n
+    x0: jax.Array  # [b] last emitted token; sits at position n, not yet in the cache
+    key: jax.Array
+    sel_idx: jax.Array | None = None  # [L, b, K] verify-guided selection
+    sel_count: jax.Array | None = None  # [L, b]
+    sel_end: jax.Array | None = None  # [b] first position after the ranked range
+    page_min: jax.Array | None = None  # [L, b, k, P, d] quest
+    page_max: jax.Array | None = None
+
+
+def tail_len(spec: SpecConfig, max_len: int) -> int:
+    """Static length of the contiguous tail every draft step reads."""
+    if spec.method == "stream":
+        return sel.max_budget(spec, max_len)
+    if spec.method == "quest":
+        # pages not yet complete (< page_size) + this round's accepted tokens and drafts
+        return spec.page_size + 2 * spec.gamma + 1
+    # after a verify the ranked range ends at n; the tail then holds up to gamma accepted
+    # tokens + the bonus + gamma - 1 drafts
+    return 2 * spec.gamma + 1
+
+
+def _draft_spec(spec: SpecConfig, state: SpecState, pos, impl, cfg, max_len):
+    L = cfg.num_layers
+    if spec.method in sel.VERIFY_GUIDED:
+        return AttnSpec(mode="sparse", impl=impl, tail_len=tail_len(spec, max_len),
+                        idx=state.sel_idx, count=state.sel_count, tail_start=state.sel_end)
+    if spec.method == "stream":
+        sink_count, start = sel.stream_window(spec, pos, max_len)
+        b = pos.shape[0]
+        n_sink = max(spec.sink, 1)
+        idx = jnp.broadcast_to(jnp.arange(n_sink, dtype=jnp.int32), (L, b, n_sink))
+        count = jnp.broadcast_to(sink_count, (L, b))
+        return AttnSpec(mode="sparse", impl=impl, tail_len=tail_len(spec, max_len),
+                        idx=idx, count=count, tail_start=start)
+    if spec.method == "quest":
+        n = state.cache.lengths
+        k = sel.budget(spec, pos, max_len)
+        ready = (n // spec.page_size) * spec.page_size
+        max_pages = -(-sel.max_budget(spec, max_len) // spec.page_size)
+        return AttnSpec(mode="quest", impl=impl, tail_len=tail_len(spec, max_len),
+                        page_size=spec.page_size, max_pages=max_pages, tail_start=ready,
+                        page_min=state.page_min, page_max=state.page_max,
+                        page_budget=-(-k // spec.page_size))
+    raise ValueError(f"no draft for method {spec.method!r}")
+
+
+@functools.partial(
+    jax.jit, static_argnames=("cfg", "spec", "sp", "impl"), donate_argnames=("state",)
+)
+def spec_round(params, cfg: ModelConfig, state: SpecState, active, spec: SpecConfig,
+               sp: SamplingParams, impl: str):
+    """One round: gamma sparse drafts, one verify, acceptance, the next selection.
+
+    Returns (state, emitted [b, gamma + 1] with -1 after the last emitted token,
+    n_accepted [b]). Inactive sequences keep their length and last token.
+    """
+    gamma = spec.gamma
+    n = state.cache.lengths  # [b]
+    max_len = state.cache.max_len
+    key, k_draft, k_acc = jax.random.split(state.key, 3)
+
+    def draft_step(carry, xs):
+        cache, tok = carry
+        j, k = xs
+        pos = n + j
+        aspec = _draft_spec(spec, state, pos, impl, cfg, max_len)
+        logits, cache, _ = forward(params, cfg, tok[:, None], pos[:, None], cache, aspec)
+        nxt, q = sample(k, logits[:, 0], sp)
+        return (cache, nxt), (nxt, q)
+
+    (cache, _), (drafts, q) = lax.scan(
+        draft_step, (state.cache, state.x0),
+        (jnp.arange(gamma, dtype=jnp.int32), jax.random.split(k_draft, gamma)),
+    )
+    drafts = drafts.T  # [b, gamma]
+    q = None if q is None else q.swapaxes(0, 1)  # [b, gamma, v]
+
+    # Verify: full causal attention over x0, d_1..d_gamma; rewrites their K/V and, in the
+    # same attention call, captures the next selection's scores.
+    capture, rows = sel.capture_plan(spec)
+    vtok = jnp.concatenate([state.x0[:, None], drafts], axis=1)
+    vpos = n[:, None] + jnp.arange(gamma + 1, dtype=jnp.int32)
+    vspec = AttnSpec(impl=impl, capture=capture, capture_rows=rows, score=spec.score)
+    logits, cache, scores = forward(params, cfg, vtok, vpos, cache, vspec)
+    n_acc, nxt = accept(k_acc, drafts, q, logits, sp)
+
+    n_new = jnp.where(active, n + n_acc + 1, n)
+    x0 = jnp.where(active, nxt, state.x0)
+    slot = jnp.arange(gamma + 1)[None, :]
+    padded = jnp.concatenate([drafts, jnp.zeros_like(drafts[:, :1])], axis=1)
+    emitted = jnp.where(slot < n_acc[:, None], padded, jnp.where(slot == n_acc[:, None], nxt[:, None], -1))
+
+    new = state.replace(cache=cache.replace(lengths=n_new), x0=x0, key=key)
+    if spec.method in sel.VERIFY_GUIDED:
+        if spec.method == "last":
+            scores = sel.pick_rows(scores, n_acc)
+        idx, count = sel.select_topk(scores, n, spec, max_len)
+        new = new.replace(sel_idx=idx, sel_count=count, sel_end=n + 1)
+    elif spec.method == "quest":
+        width = -(-(gamma + 2) // spec.page_size) + 1
+        lo, hi = sel.update_page_bounds(state.page_min, state.page_max, cache.k,
+                                        n // spec.page_size, width, spec.page_size)
+        new = new.replace(page_min=lo, page_max=hi)
+    return new, emitted, n_acc
+
+
+def init_state(spec: SpecConfig, cache: KVCache, x0, key, scores, lens) -> SpecState:
+    state = SpecState(cache=cache, x0=x0, key=key)
+    max_len = cache.max_len
+    if spec.method in sel.VERIFY_GUIDED:
+        # First selection: the last prompt token's row ranks the whole prompt.
+        idx, count = sel.select_topk(scores, lens - 1, spec, max_len)
+        state = state.replace(sel_idx=idx, sel_count=count, sel_end=lens)
+    elif spec.method == "quest":
+        lo, hi = sel.page_bounds(cache.k, spec.page_size)
+        state = state.replace(page_min=lo, page_max=hi)
+    return state
+
+
+def speculative_generate(
+    model,
+    prompts,
+    max_new_tokens: int = 128,
+    spec: SpecConfig = SpecConfig(),
+    sampling: SamplingParams = SamplingParams(),
+    seed: int = 0,
+    on_tokens: Callable[[list[list[int]]], None] | None = None,
+    attn_impl: str | None = None,
+) -> GenerationResult:
+    """Self-speculative decoding of a batch; output has the vanilla distribution
+    (greedy: the same tokens). `spec.method="vanilla"` runs plain decoding."""
+    if not isinstance(spec, SpecConfig):
+        raise TypeError("spec must be a SpecConfig")
+    if spec.method == "vanilla":
+        res = generate(model, prompts, max_new_tokens, sampling, seed, on_tokens, attn_impl)
+        res.stats.update(tau=1.0, gamma=0, acceptance_by_position=[], rounds=res.stats["device_calls"])
+        return res
+    cfg = model.config
+    gamma = spec.gamma
+    if spec.method == "quest":
+        extra = 2 * gamma + 2 + (-(2 * gamma + 2)) % spec.page_size + spec.page_size
+    else:
+        extra = 2 * gamma + 2
+    ids, tokens, lens, cache, impl = start(model, prompts, max_new_tokens, sampling, extra,
+                                           attn_impl)
+    if spec.method == "quest" and cache.max_len % spec.page_size:
+        raise ValueError("page_size must divide the cache length (a multiple of 128)")
+    batch = len(ids)
+    key = jax.random.PRNGKey(seed)
+    key, k0 = jax.random.split(key)
+    collector = TokenCollector(batch, max_new_tokens, eos_ids(model), on_tokens)
+    capture = spec.method in sel.VERIFY_GUIDED
+
+    t0 = time.perf_counter()
+    logits, cache, scores = prefill(model.params, cfg, tokens, lens, cache, impl, capture)
+    x0, _ = sample(k0, logits, sampling)
+    state = init_state(spec, cache, x0, key, scores, lens)
+    active = collector.add([[t] for t in np.asarray(x0)])
+    prefill_s = time.perf_counter() - t0
+
+    accepted_at = np.zeros(gamma, np.int64)  # rounds in which draft position i was accepted
+    rounds_active = 0
+    emitted_total = 0
+    rounds = 0
+    first_round_s = None
+    t1 = time.perf_counter()
+    while active.any():
+        tr = time.perf_counter()
+        was_active = active.copy()
+        state, emitted, n_acc = spec_round(model.params, cfg, state, jnp.asarray(active), spec,
+                                           sampling, impl)
+        emitted = np.asarray(emitted)
+        n_acc = np.asarray(n_acc)
+        active = collector.add([row[row >= 0] for row in emitted])
+        if first_round_s is None:
+            first_round_s = time.perf_counter() - tr
+        rounds += 1
+        rounds_active += int(was_active.sum())
+        emitted_total += int((n_acc[was_active] + 1).sum())
+        accepted_at += (n_acc[was_active][:, None] > np.arange(gamma)[None, :]).sum(0)
+    decode_s = time.perf_counter() - t1
+    decoded = collector.n_generated - batch
+    stats = {
+        "method": spec.method,
+        "gamma": gamma,
+        "sparsity": spec.sparsity,
+        "batch": batch,
+        "prompt_tokens": [len(p) for p in ids],
+        "prefill_s": prefill_s,
+        "decode_s": decode_s,
+        "first_round_s": first_round_s,
+        "decode_tokens": decoded,
+        "decode_tokens_per_s": decoded / decode_s if decode_s > 0 else float("nan"),
+        "rounds": rounds,
+        "tau": emitted_total / max(rounds_active, 1),
+        "acceptance_by_position": (accepted_at / max(rounds_active, 1)).tolist(),
+        "attn_impl": impl,
+        "cache_len": cache.max_len,
+    }
+    return GenerationResult(collector.tokens, decode_text(model, collector.tokens), stats)
