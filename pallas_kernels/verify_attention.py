@@ -85,3 +85,270 @@ def verify_attention_reference_jit(q, k_cache, v_cache, layer, q_pos, *, capture
                                    capture_rows=(0,), score="weight"):
     return verify_attention_reference(q, k_cache, v_cache, layer, q_pos, capture=capture,
                                       capture_rows=capture_rows, score=score)
+
+
+# ---------------------------------------------------------------------------------------
+# Pallas (Triton backend) kernel
+# ---------------------------------------------------------------------------------------
+#
+# One program = (sequence b, KV head h, query block qb, key split j). Its rows are the
+# query tokens of block qb times the GQA group (row = token * g + head), padded to a power
+# of two >= 16. It loops over key blocks of split j up to the largest position its rows can
+# see, reading K/V straight out of the full stacked cache at `layer` (no per-layer copy), and
+# writes the unnormalised split output plus the running max / sum; XLA combines the splits.
+# Score capture: the capture tokens are permuted to the front, so their rows are the first
+# `n_cap` rows overall; the kernel stores their raw scaled logits (fp16 by default) with a
+# masked store into a side buffer, and the XLA epilogue turns them into weights with the
+# combined LSE -- no second pass over K.
+#
+# Verify / decode (t * g <= max_rows): one query block, split-K over the cache.
+# Prefill (t * g > max_rows): many query blocks of `row_block` rows, causal block skipping,
+# split-K only when the grid would otherwise be too small. Never materialises s x s.
+
+from jax.experimental import pallas as pl  # noqa: E402
+from jax.experimental.pallas import triton as pltr  # noqa: E402
+
+NEG = -0.7 * float(jnp.finfo(jnp.float32).max)
+_LOGIT_CLIP = 60000.0
+
+
+def _pow2_at_least(n, lo=16):
+    p = lo
+    while p < n:
+        p *= 2
+    return p
+
+
+def _verify_kernel(layer_ref, q_ref, rowpos_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *cap_refs,
+                   block_k, split_len, s_len, scale, rows, n_cap, kh, normalize):
+    bi = pl.program_id(0)
+    h = pl.program_id(1)
+    qb = pl.program_id(2)
+    j = pl.program_id(3)
+    layer = layer_ref[0]
+    q = q_ref[...]  # [rows, d]
+    rp = rowpos_ref[...]  # [rows] int32, -1 for padding rows
+    d = q.shape[-1]
+
+    start = j * split_len
+    end = jnp.minimum(jnp.minimum(start + split_len, jnp.max(rp) + 1), s_len)
+    nblk = pl.cdiv(jnp.maximum(end - start, 0), block_k)
+    kr = jnp.arange(block_k, dtype=jnp.int32)
+    if cap_refs:
+        (cap_ref,) = cap_refs
+        cap_row0 = (bi * kh + h) * n_cap + qb * rows
+        cap_rowmask = (qb * rows + jnp.arange(rows, dtype=jnp.int32)) < n_cap
+
+    def body(i, carry):
+        o, m, l = carry
+        k0 = start + i * block_k
+        kidx = k0 + kr
+        inb = kidx < s_len
+        k = pltr.load(k_ref.at[layer, bi, h, pl.ds(k0, block_k), :], mask=inb[:, None],
+                      other=0.0)
+        qk = pl.dot(q, k, trans_b=True) * scale  # [rows, block_k] fp32
+        if cap_refs:
+            pltr.store(cap_ref.at[pl.ds(cap_row0, rows), pl.ds(k0, block_k)],
+                       jnp.clip(qk, -_LOGIT_CLIP, _LOGIT_CLIP).astype(cap_ref.dtype),
+                       mask=cap_rowmask[:, None] & inb[None, :])
+        vis = kidx[None, :] <= rp[:, None]
+        qk = jnp.where(vis, qk, NEG)
+        m_new = jnp.maximum(m, qk.max(axis=-1))
+        corr = jnp.exp(m - m_new)
+        p = jnp.exp(qk - m_new[:, None])
+        l = l * corr + p.sum(axis=-1)
+        v = pltr.load(v_ref.at[layer, bi, h, pl.ds(k0, block_k), :], mask=inb[:, None],
+                      other=0.0)
+        o = o * corr[:, None] + pl.dot(p.astype(v.dtype), v)
+        return o, m_new, l
+
+    o0 = jnp.zeros((rows, d), jnp.float32)
+    m0 = jnp.full((rows,), NEG, jnp.float32)
+    l0 = jnp.zeros((rows,), jnp.float32)
+    o, m, l = lax.fori_loop(0, nblk, body, (o0, m0, l0))
+    if normalize:  # single split: finish here (prefill), m_ref receives the LSE
+        o = o / jnp.where(l == 0.0, 1.0, l)[:, None]
+        m = m + jnp.log(jnp.where(l == 0.0, 1.0, l))
+    o_ref[...] = o.astype(o_ref.dtype)
+    m_ref[...] = m
+    l_ref[...] = l
+
+
+def _whole(shape):
+    """The whole array as one block: on GPU just a pointer (no copy of the cache slab)."""
+    return pl.BlockSpec(tuple(shape), lambda *_: (0,) * len(shape))
+
+
+def _verify_call(layer, qr, rowpos, k_cache, v_cache, *, rows, n_splits, split_len, block_k,
+                 n_cap, cap_dtype, num_warps, num_stages, interpret, out_dtype):
+    """qr [b, kh, nqb*rows, d]; rowpos [b, nqb*rows]. Returns o [b,kh,J,R,d], m, l, cap."""
+    b, kh, rtot, d = qr.shape
+    s_len = k_cache.shape[3]
+    nqb = rtot // rows
+    normalize = n_splits == 1
+    kernel = functools.partial(
+        _verify_kernel, block_k=block_k, split_len=split_len, s_len=s_len, scale=d**-0.5,
+        rows=rows, n_cap=n_cap, kh=kh, normalize=normalize)
+    out_shape = [
+        jax.ShapeDtypeStruct((b, kh, n_splits, rtot, d), out_dtype if normalize else jnp.float32),
+        jax.ShapeDtypeStruct((b, kh, n_splits, rtot), jnp.float32),
+        jax.ShapeDtypeStruct((b, kh, n_splits, rtot), jnp.float32),
+    ]
+    out_specs = [
+        pl.BlockSpec((None, None, None, rows, d), lambda bi, h, qb, j: (bi, h, j, qb, 0)),
+        pl.BlockSpec((None, None, None, rows), lambda bi, h, qb, j: (bi, h, j, qb)),
+        pl.BlockSpec((None, None, None, rows), lambda bi, h, qb, j: (bi, h, j, qb)),
+    ]
+    if n_cap:
+        # rows (bi*kh + h)*n_cap + r hold capture row r; `rows` spare rows keep every
+        # program's (masked) store window inside the buffer.
+        out_shape.append(jax.ShapeDtypeStruct((b * kh * n_cap + rows, s_len), cap_dtype))
+        out_specs.append(_whole(out_shape[-1].shape))
+    res = pl.pallas_call(
+        kernel,
+        grid=(b, kh, nqb, n_splits),
+        in_specs=[
+            _whole((1,)),  # layer
+            pl.BlockSpec((None, None, rows, d), lambda bi, h, qb, j: (bi, h, qb, 0)),
+            pl.BlockSpec((None, rows), lambda bi, h, qb, j: (bi, qb)),
+            _whole(k_cache.shape),  # [L, b, kh, s, d], indexed in the kernel
+            _whole(v_cache.shape),
+        ],
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="vegas_verify_attention",
+    )(jnp.reshape(layer, (1,)).astype(jnp.int32), qr, rowpos, k_cache, v_cache)
+    if n_cap:
+        return res
+    return (*res, None)
+
+
+def _plan(b, kh, t, g, s, *, max_rows, row_block, target_programs, block_k, min_split):
+    """Static launch plan: (rows per program, query blocks, splits, split length)."""
+    if t * g <= max_rows:
+        rows = _pow2_at_least(t * g)
+        tq = t
+    else:
+        tq = max(1, row_block // g)
+        rows = _pow2_at_least(tq * g)
+    nqb = -(-t // tq)
+    per = b * kh * nqb
+    max_splits = max(1, -(-s // max(min_split, block_k)))
+    j = max(1, min(max_splits, -(-target_programs // per)))
+    split_len = -(-(-(-s // j)) // block_k) * block_k
+    j = -(-s // split_len)
+    return rows, tq, nqb, j, split_len
+
+
+def verify_attention(
+    q, k_cache, v_cache, layer, q_pos, *, capture="none", capture_rows=(0,), score="weight",
+    interpret=False, block_k=None, num_warps=None, num_stages=None, max_rows=64,
+    row_block=128, target_programs=528, min_split=512, cap_dtype=jnp.float16,
+    prefill_impl="pallas",
+):
+    """Pallas (Triton) op with exactly `verify_attention_reference`'s semantics.
+
+    Returns (out [b, t, k, g, d] in q.dtype, scores | None). Tuning knobs: block_k,
+    num_warps, num_stages (Triton), max_rows (largest t*g handled as one query block),
+    row_block (rows per program in prefill), target_programs (grid size aimed at when
+    choosing the number of key splits), min_split (shortest key split), cap_dtype (dtype of
+    the captured logits), prefill_impl ("pallas" | "cudnn", the latter only for prompts that
+    start at position 0: q_pos[b, i] == i).
+    """
+    if capture not in CAPTURE_MODES:
+        raise ValueError(f"capture must be one of {CAPTURE_MODES}, got {capture!r}")
+    if score not in SCORE_KINDS:
+        raise ValueError(f"score must be one of {SCORE_KINDS}, got {score!r}")
+    b, t, kh, g, d = q.shape
+    s = k_cache.shape[3]
+    cap_list = [int(r) % t for r in capture_rows] if capture != "none" else []
+    uniq = sorted(set(cap_list))
+
+    if prefill_impl == "cudnn" and t * g > max_rows:
+        out = _prefill_cudnn(q, k_cache, v_cache, layer)
+        if capture == "none":
+            return out, None
+        # scores from the capture rows only, through the split-K kernel
+        _, sc = verify_attention(
+            q[:, uniq], k_cache, v_cache, layer, q_pos[:, uniq], capture=capture,
+            capture_rows=tuple(uniq.index(r) for r in cap_list), score=score,
+            interpret=interpret, block_k=block_k, num_warps=num_warps,
+            num_stages=num_stages, max_rows=max_rows, target_programs=target_programs,
+            min_split=min_split, cap_dtype=cap_dtype)
+        return out, sc
+
+    decode_like = t * g <= max_rows
+    bk = block_k or (64 if decode_like or d > 64 else 64)
+    bk = min(bk, _pow2_at_least(s))
+    rows, tq, nqb, n_splits, split_len = _plan(
+        b, kh, t, g, s, max_rows=max_rows, row_block=row_block,
+        target_programs=target_programs, block_k=bk, min_split=min_split)
+    nw = num_warps or (4 if rows <= 64 else 8)
+    ns = num_stages or (3 if decode_like else 2)
+
+    # token order: capture tokens first (so their rows are the first n_cap rows)
+    perm = uniq + [i for i in range(t) if i not in uniq]
+    inv = [perm.index(i) for i in range(t)]
+    qp = q if perm == list(range(t)) else q[:, jnp.array(perm)]
+    pp = q_pos if perm == list(range(t)) else q_pos[:, jnp.array(perm)]
+    tpad = nqb * tq
+    qp = jnp.pad(qp, ((0, 0), (0, tpad - t), (0, 0), (0, 0), (0, 0)))
+    pp = jnp.pad(pp.astype(jnp.int32), ((0, 0), (0, tpad - t)), constant_values=-1)
+    # rows: [b, kh, nqb, tq*g (padded to rows), d]
+    qr = qp.transpose(0, 2, 1, 3, 4).reshape(b, kh, nqb, tq * g, d)
+    qr = jnp.pad(qr, ((0, 0), (0, 0), (0, 0), (0, rows - tq * g), (0, 0)))
+    qr = qr.reshape(b, kh, nqb * rows, d)
+    rp = jnp.repeat(pp.reshape(b, nqb, tq), g, axis=2)
+    rp = jnp.pad(rp, ((0, 0), (0, 0), (0, rows - tq * g)), constant_values=-1)
+    rp = rp.reshape(b, nqb * rows)
+    n_cap = len(uniq) * g
+    if n_cap and len(uniq) > tq:
+        raise NotImplementedError("capture rows must fit one query block")
+
+    o, m, l, cap = _verify_call(
+        layer, qr, rp, k_cache, v_cache, rows=rows, n_splits=n_splits, split_len=split_len,
+        block_k=bk, n_cap=n_cap, cap_dtype=cap_dtype, num_warps=nw, num_stages=ns,
+        interpret=interpret, out_dtype=q.dtype)
+
+    if n_splits == 1:
+        out = o[:, :, 0]
+        lse = m[:, :, 0]
+    else:
+        mx = lax.optimization_barrier(m.max(axis=2))  # [b, kh, R]
+        w = jnp.exp(m - mx[:, :, None])
+        lsum = (l * w).sum(axis=2)
+        lsafe = jnp.where(lsum == 0.0, 1.0, lsum)
+        out = ((o * w[..., None]).sum(axis=2) / lsafe[..., None]).astype(q.dtype)
+        lse = mx + jnp.log(lsafe)
+    out = out.reshape(b, kh, nqb, rows, d)[:, :, :, : tq * g]
+    out = out.reshape(b, kh, tpad, g, d)[:, :, :t].transpose(0, 2, 1, 3, 4)
+    if perm != list(range(t)):
+        out = out[:, jnp.array(inv)]
+    if capture == "none":
+        return out, None
+
+    nu = len(uniq)
+    logits = cap[: b * kh * n_cap].reshape(b, kh, nu, g, s).astype(jnp.float32)
+    lse_c = lse[:, :, :n_cap].reshape(b, kh, nu, g)
+    pos_c = q_pos[:, jnp.array(uniq)].astype(jnp.int32)  # [b, nu]
+    valid = jnp.arange(s, dtype=jnp.int32)[None, None, :] <= pos_c[:, :, None]  # [b, nu, s]
+    if score == "weight":
+        per = jnp.exp(logits - lse_c[..., None])
+    else:
+        per = logits
+    per = jnp.where(valid[:, None, :, None, :], per, 0.0).mean(axis=(1, 3))  # [b, nu, s]
+    sel = per[:, jnp.array([uniq.index(r) for r in cap_list])]  # [b, r, s]
+    return out, (sel.mean(axis=1) if capture == "mean" else sel)
+
+
+def _prefill_cudnn(q, k_cache, v_cache, layer):
+    """cuDNN flash attention for a prompt at positions 0..t-1 (GPU only)."""
+    b, t, kh, g, d = q.shape
+    k = lax.dynamic_index_in_dim(k_cache, layer, 0, keepdims=False)[:, :, :t]
+    v = lax.dynamic_index_in_dim(v_cache, layer, 0, keepdims=False)[:, :, :t]
+    out = jax.nn.dot_product_attention(
+        q.reshape(b, t, kh * g, d), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3),
+        is_causal=True, implementation="cudnn")
+    return out.reshape(b, t, kh, g, d)
