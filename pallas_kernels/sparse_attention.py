@@ -66,6 +66,7 @@ from jax import lax  # noqa: E402
 from jax.experimental import pallas as pl  # noqa: E402
 from jax.experimental.pallas import triton as pltr  # noqa: E402
 
+_dot = getattr(pltr, "dot", None) or pl.dot  # moved to pallas.triton in newer jax
 NEG = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
@@ -97,14 +98,14 @@ def _sparse_kernel(layer_ref, q_ref, idx_ref, cnt_ref, ts_ref, qp_ref, k_ref, v_
         o, m, l = carry
         pos = jnp.clip(pos, 0, s_len - 1)
         k = k_ref[layer, bi, h, pos, :]  # gather [block_k, d]
-        qk = pl.dot(q, k, trans_b=True) * scale
+        qk = _dot(q, k, trans_b=True) * scale
         qk = jnp.where(ok[None, :], qk, NEG)
         m_new = jnp.maximum(m, qk.max(axis=-1))
         corr = jnp.exp(m - m_new)
         p = jnp.exp(qk - m_new[:, None])
         l = l * corr + p.sum(axis=-1)
         v = v_ref[layer, bi, h, pos, :]
-        o = o * corr[:, None] + pl.dot(p.astype(v.dtype), v)
+        o = o * corr[:, None] + _dot(p.astype(v.dtype), v)
         return o, m_new, l
 
     carry0 = (jnp.zeros((rows, d), jnp.float32), jnp.full((rows,), NEG, jnp.float32),

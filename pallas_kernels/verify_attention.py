@@ -108,6 +108,7 @@ def verify_attention_reference_jit(q, k_cache, v_cache, layer, q_pos, *, capture
 from jax.experimental import pallas as pl  # noqa: E402
 from jax.experimental.pallas import triton as pltr  # noqa: E402
 
+_dot = getattr(pltr, "dot", None) or pl.dot  # moved to pallas.triton in newer jax
 NEG = -0.7 * float(jnp.finfo(jnp.float32).max)
 _LOGIT_CLIP = 60000.0
 
@@ -146,7 +147,7 @@ def _verify_kernel(layer_ref, q_ref, rowpos_ref, k_ref, v_ref, o_ref, m_ref, l_r
         inb = kidx < s_len
         k = pltr.load(k_ref.at[layer, bi, h, pl.ds(k0, block_k), :], mask=inb[:, None],
                       other=0.0)
-        qk = pl.dot(q, k, trans_b=True) * scale  # [rows, block_k] fp32
+        qk = _dot(q, k, trans_b=True) * scale  # [rows, block_k] fp32
         if cap_refs:
             pltr.store(cap_ref.at[pl.ds(cap_row0, rows), pl.ds(k0, block_k)],
                        jnp.clip(qk, -_LOGIT_CLIP, _LOGIT_CLIP).astype(cap_ref.dtype),
@@ -159,7 +160,7 @@ def _verify_kernel(layer_ref, q_ref, rowpos_ref, k_ref, v_ref, o_ref, m_ref, l_r
         l = l * corr + p.sum(axis=-1)
         v = pltr.load(v_ref.at[layer, bi, h, pl.ds(k0, block_k), :], mask=inb[:, None],
                       other=0.0)
-        o = o * corr[:, None] + pl.dot(p.astype(v.dtype), v)
+        o = o * corr[:, None] + _dot(p.astype(v.dtype), v)
         return o, m_new, l
 
     o0 = jnp.zeros((rows, d), jnp.float32)
