@@ -106,9 +106,12 @@ def accept(key, drafts, q_probs, target_logits, sp: SamplingParams):
     q_pad = jnp.concatenate([q_probs, jnp.zeros_like(q_probs[:, :1])], axis=1)
     p_a = jnp.take_along_axis(p, n_acc[:, None, None], axis=1)[:, 0]  # [b, v]
     q_a = jnp.take_along_axis(q_pad, n_acc[:, None, None], axis=1)[:, 0]
-    resid = jnp.maximum(p_a - q_a, 0.0)
-    mass = resid.sum(-1, keepdims=True)
+    nxt = jax.random.categorical(k_resid, jnp.log(residual(p_a, q_a)), axis=-1)
+    return n_acc, nxt.astype(jnp.int32)
+
+
+def residual(p, q):
+    """Unnormalised law of the token that replaces a rejected draft: max(p - q, 0)."""
+    resid = jnp.maximum(p - q, 0.0)
     # p == q up to rounding leaves no residual mass; then p itself is the right law.
-    resid = jnp.where(mass > 0, resid, p_a)
-    nxt = jax.random.categorical(k_resid, jnp.log(resid), axis=-1).astype(jnp.int32)
-    return n_acc, nxt
+    return jnp.where(resid.sum(-1, keepdims=True) > 0, resid, p)

@@ -72,9 +72,18 @@ def capture_plan(spec: SpecConfig):
     return "none", (0,)
 
 
+# ceil() of a product that should be a whole number can land one above it in floating
+# point (0.07 * 10000 = 700.0000000000001): forgive that much.
+_CEIL_SLACK = 1e-3
+
+
 def max_budget(spec: SpecConfig, max_len: int) -> int:
     """Static upper bound of the budget: the padded size of every index list."""
-    return min(max(math.ceil(spec.sparsity * max_len), spec.min_tokens), max_len)
+    return min(max(math.ceil(spec.sparsity * max_len - _CEIL_SLACK), spec.min_tokens), max_len)
+
+
+def _ceil_frac(sparsity, n):
+    return jnp.ceil(sparsity * n.astype(jnp.float32) - _CEIL_SLACK).astype(jnp.int32)
 
 
 def budget(spec: SpecConfig, n, max_len: int):
@@ -82,8 +91,8 @@ def budget(spec: SpecConfig, n, max_len: int):
 
     k = clip(ceil(sparsity * (n + gamma + 1)), min_tokens, max_budget), at most n + 1.
     """
-    k = jnp.ceil(spec.sparsity * (n + spec.gamma + 1).astype(jnp.float32)).astype(jnp.int32)
-    k = jnp.clip(k, spec.min_tokens, max_budget(spec, max_len))
+    k = jnp.clip(_ceil_frac(spec.sparsity, n + spec.gamma + 1), spec.min_tokens,
+                 max_budget(spec, max_len))
     return jnp.minimum(k, n + 1)
 
 
@@ -132,8 +141,7 @@ def update_page_bounds(page_min, page_max, k_cache, first_page, n_pages, page_si
 def stream_window(spec: SpecConfig, pos, max_len: int):
     """Stream's draft inputs at query positions pos [b]: the sink positions (fewer when
     the window already reaches them) and where the recent window starts."""
-    w = jnp.ceil(spec.sparsity * (pos + 1).astype(jnp.float32)).astype(jnp.int32)
-    w = jnp.clip(w, spec.min_tokens, max_budget(spec, max_len))
+    w = jnp.clip(_ceil_frac(spec.sparsity, pos + 1), spec.min_tokens, max_budget(spec, max_len))
     start = jnp.maximum(pos + 1 - w, 0)
     sink_count = jnp.minimum(spec.sink, start)
     return sink_count, start

@@ -4,7 +4,6 @@ own attention, lossless acceptance. One jitted round; the Python loop only strea
 from __future__ import annotations
 
 import functools
-import math
 import time
 from typing import Callable
 
@@ -19,7 +18,7 @@ from vegas_jax.attention import AttnSpec
 from vegas_jax.cache import KVCache
 from vegas_jax.config import ModelConfig
 from vegas_jax.generate import (
-    GenerationResult, TokenCollector, decode_text, eos_ids, generate, prefill, start,
+    DecodeClock, GenerationResult, TokenCollector, decode_text, eos_ids, generate, prefill, start,
 )
 from vegas_jax.model import forward
 from vegas_jax.sampling import SamplingParams, accept, sample
@@ -164,7 +163,7 @@ def speculative_generate(
         raise TypeError("spec must be a SpecConfig")
     if spec.method == "vanilla":
         res = generate(model, prompts, max_new_tokens, sampling, seed, on_tokens, attn_impl)
-        res.stats.update(tau=1.0, gamma=0, acceptance_by_position=[], rounds=res.stats["device_calls"])
+        res.stats.update(tau=1.0, gamma=0, acceptance_by_position=[], rounds=res.stats["decode_tokens"])
         return res
     cfg = model.config
     gamma = spec.gamma
@@ -192,25 +191,18 @@ def speculative_generate(
     accepted_at = np.zeros(gamma, np.int64)  # rounds in which draft position i was accepted
     rounds_active = 0
     emitted_total = 0
-    rounds = 0
-    first_round_s = None
-    t1 = time.perf_counter()
+    clock = DecodeClock(collector)
     while active.any():
-        tr = time.perf_counter()
         was_active = active.copy()
         state, emitted, n_acc = spec_round(model.params, cfg, state, jnp.asarray(active), spec,
                                            sampling, impl)
         emitted = np.asarray(emitted)
         n_acc = np.asarray(n_acc)
         active = collector.add([row[row >= 0] for row in emitted])
-        if first_round_s is None:
-            first_round_s = time.perf_counter() - tr
-        rounds += 1
+        clock.tick()
         rounds_active += int(was_active.sum())
         emitted_total += int((n_acc[was_active] + 1).sum())
         accepted_at += (n_acc[was_active][:, None] > np.arange(gamma)[None, :]).sum(0)
-    decode_s = time.perf_counter() - t1
-    decoded = collector.n_generated - batch
     stats = {
         "method": spec.method,
         "gamma": gamma,
@@ -218,11 +210,8 @@ def speculative_generate(
         "batch": batch,
         "prompt_tokens": [len(p) for p in ids],
         "prefill_s": prefill_s,
-        "decode_s": decode_s,
-        "first_round_s": first_round_s,
-        "decode_tokens": decoded,
-        "decode_tokens_per_s": decoded / decode_s if decode_s > 0 else float("nan"),
-        "rounds": rounds,
+        **clock.stats(),
+        "rounds": clock.calls,
         "tau": emitted_total / max(rounds_active, 1),
         "acceptance_by_position": (accepted_at / max(rounds_active, 1)).tolist(),
         "attn_impl": impl,

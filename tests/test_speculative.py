@@ -1,0 +1,207 @@
+"""Speculative decoding on tiny random models: lossless greedy and sampled output,
+budgets, sparse reads, and selection from the verify pass itself."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+import vegas_jax.model as model_mod
+from vegas_jax import selection as sel
+from vegas_jax.attention import AttnSpec
+from vegas_jax.cache import init_cache
+from vegas_jax.generate import generate
+from vegas_jax.model import forward
+from vegas_jax.sampling import SamplingParams
+from vegas_jax.selection import SpecConfig
+from vegas_jax.speculative import speculative_generate
+from tests.tiny import tiny_model
+
+METHODS = ["vegas", "vegas-all", "last", "stream", "quest"]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_model(scale=0.3)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = np.random.default_rng(0)
+    return [rng.integers(0, 100, size=n).tolist() for n in (37, 300, 650)]
+
+
+@pytest.fixture(scope="module")
+def vanilla(tiny, prompts):
+    return generate(tiny, prompts, 48)
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("score", ["weight", "logit"])
+def test_greedy_equals_vanilla(tiny, prompts, vanilla, method, score):
+    res = speculative_generate(tiny, prompts, 48,
+                               SpecConfig(method=method, gamma=3, min_tokens=8, score=score))
+    assert res.tokens == vanilla.tokens
+    assert 1.0 <= res.stats["tau"] <= 4.0
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_select_everything_accepts_every_draft(tiny, prompts, vanilla, method):
+    # sparsity 1: the draft reads the whole context, so it is the target model itself.
+    res = speculative_generate(tiny, prompts, 48, SpecConfig(method=method, gamma=4,
+                                                             sparsity=1.0, min_tokens=1))
+    assert res.tokens == vanilla.tokens
+    assert res.stats["tau"] == pytest.approx(5.0)
+    assert res.stats["acceptance_by_position"] == [1.0] * 4
+
+
+def test_eos_stops_each_sequence(prompts):
+    m = tiny_model(scale=0.3)
+    ref = generate(m, prompts, 40)
+    eos = ref.tokens[1][5]  # a token the second prompt emits early
+    m_eos = tiny_model(scale=0.3, eos=(eos,))
+    res = speculative_generate(m_eos, prompts, 40, SpecConfig(gamma=3, min_tokens=8))
+    van = generate(m_eos, prompts, 40)
+    assert res.tokens == van.tokens
+    cut = ref.tokens[1].index(eos) + 1
+    assert res.tokens[1] == ref.tokens[1][:cut]
+
+
+def test_budget_rule():
+    spec = SpecConfig(gamma=6, sparsity=0.07, min_tokens=256)
+    max_len = 10_000
+    n = jnp.array([10, 300, 3000, 5000, 9990])
+    k = np.asarray(sel.budget(spec, n, max_len))
+    # capped at n + 1, floored at min_tokens, ceil(0.07 (n + 7)), capped at ceil(0.07 max_len)
+    assert k.tolist() == [11, 256, 256, 351, 700]
+    assert sel.max_budget(spec, max_len) == 700
+    assert sel.max_budget(SpecConfig(sparsity=1.0, min_tokens=1), 512) == 512
+
+
+def test_topk_selection_ranks_only_the_ranked_range():
+    spec = SpecConfig(gamma=2, sparsity=0.25, min_tokens=2)
+    scores = jnp.array([[[0.1, 0.9, 0.3, 0.8, 5.0, 7.0, 0.0, 0.0]]])  # [L=1, b=1, s=8]
+    idx, count = sel.select_topk(scores, jnp.array([3]), spec, 8)
+    # ranked range 0..3: top-2 are positions 1 and 3; 4 and 5 lie beyond it
+    assert int(count[0, 0]) == 2
+    assert sorted(np.asarray(idx[0, 0, :2]).tolist()) == [1, 3]
+
+
+def softmax64(x):
+    x = np.asarray(x, np.float64)
+    e = np.exp(x - x.max())
+    return e / e.sum()
+
+
+def test_sampled_output_has_target_distribution():
+    """Many independent rows of one prompt; the first two tokens decoded after the
+    prompt's own must follow the model's exact joint law."""
+    m = tiny_model(vocab=8, scale=0.5, seed=3)
+    prompt = [1, 2, 3, 4, 5]
+    sp = SamplingParams(1.0)
+    n_rows = 4000
+    res = speculative_generate(m, [prompt] * n_rows, 3,
+                               SpecConfig(gamma=2, sparsity=0.5, min_tokens=2), sp, seed=1)
+    toks = np.array([t[:3] for t in res.tokens])
+    # exact law of (t1, t2) given the prompt and t0, for the most frequent t0
+    t0 = np.bincount(toks[:, 0], minlength=8).argmax()
+    rows = toks[toks[:, 0] == t0]
+    ctx = jnp.array([prompt + [int(t0)]])
+    cache = init_cache(m.config, 1, 16, jnp.float32)
+    logits, _, _ = forward(m.params, m.config, ctx, jnp.arange(6)[None], cache, AttnSpec())
+    p1 = softmax64(logits[0, -1])
+    joint = np.zeros((8, 8))
+    for a in range(8):
+        c2 = jnp.array([prompt + [int(t0), a]])
+        lg, _, _ = forward(m.params, m.config, c2, jnp.arange(7)[None], cache, AttnSpec())
+        joint[a] = p1[a] * softmax64(lg[0, -1])
+    observed = np.bincount(rows[:, 1] * 8 + rows[:, 2], minlength=64).astype(float)
+    expected = joint.reshape(-1) / joint.sum() * len(rows)
+    keep = expected > 5  # chi-square needs enough mass per cell; pool the rest
+    obs = np.append(observed[keep], observed[~keep].sum())
+    exp = np.append(expected[keep], expected[~keep].sum())
+    assert stats.chisquare(obs, exp).pvalue > 1e-4
+    assert 1.0 < res.stats["tau"] < 3.0  # drafts really were rejected sometimes
+
+
+def test_draft_reads_only_the_budget(tiny):
+    """The draft forward's attention touches K + tail rows, never the cache length."""
+    cfg = tiny.config
+    s, kk, tail = 1000, 24, 9  # s distinct from every other dimension of the model
+    b, L = 2, cfg.num_layers
+    cache = init_cache(cfg, b, s, jnp.float32)
+    spec = AttnSpec(mode="sparse", tail_len=tail,
+                    idx=jnp.zeros((L, b, kk), jnp.int32), count=jnp.full((L, b), kk),
+                    tail_start=jnp.array([500, 600]))
+    jaxpr = jax.make_jaxpr(lambda c: forward(tiny.params, cfg, jnp.ones((b, 1), jnp.int32),
+                                             jnp.array([[505], [603]]), c, spec))(cache)
+    sizes = []
+
+    def walk(jx):
+        for eqn in jx.eqns:
+            if eqn.primitive.name in ("dot_general", "gather", "exp", "reduce_max"):
+                for v in eqn.outvars:
+                    sizes.append((eqn.primitive.name, tuple(v.aval.shape)))
+            for sub in jax.core.subjaxprs(eqn) if hasattr(jax.core, "subjaxprs") else []:
+                walk(sub)
+            for p in eqn.params.values():
+                if hasattr(p, "jaxpr"):
+                    walk(p.jaxpr if hasattr(p.jaxpr, "eqns") else p.jaxpr.jaxpr)
+
+    walk(jaxpr.jaxpr)
+    gathers = [shape for name, shape in sizes if name == "gather"]
+    assert any(kk in shape for shape in gathers) and any(tail in shape for shape in gathers)
+    assert not any(s in shape for _, shape in sizes), [x for x in sizes if s in x[1]]
+
+
+def test_selection_comes_from_the_verify_pass(tiny, monkeypatch):
+    """A vegas round runs exactly one full-attention call (the verify), and it is the one
+    that captures rows 0 and gamma; drafts are sparse."""
+    calls = []
+    real = model_mod.attention
+
+    def spy(spec, *a, **k):
+        calls.append((spec.mode, spec.capture, spec.capture_rows))
+        return real(spec, *a, **k)
+
+    monkeypatch.setattr(model_mod, "attention", spy)
+    from vegas_jax.speculative import spec_round, init_state
+    import vegas_jax.speculative as spm
+
+    cfg = tiny.config
+    spec = SpecConfig(gamma=4, min_tokens=4)
+    cache = init_cache(cfg, 2, 256, jnp.float32).replace(lengths=jnp.array([40, 70]))
+    scores = jnp.ones((cfg.num_layers, 2, 256))
+    state = init_state(spec, cache, jnp.array([1, 2]), jax.random.PRNGKey(0), scores,
+                       jnp.array([40, 70]))
+    jax.eval_shape(lambda st: spm.spec_round.__wrapped__(tiny.params, cfg, st, jnp.array([True, True]),
+                                                         spec, SamplingParams(), "xla"), state)
+    causal = [c for c in calls if c[0] == "causal"]
+    assert causal == [("causal", "mean", (0, 4))]
+    assert all(c[0] == "sparse" for c in calls if c[0] != "causal")
+
+
+@pytest.mark.parametrize("kw", [dict(gamma=0), dict(gamma=2.5), dict(sparsity=0.0),
+                                dict(sparsity=1.5), dict(method="magic"), dict(score="max"),
+                                dict(min_tokens=0)])
+def test_bad_spec(kw):
+    with pytest.raises(ValueError):
+        SpecConfig(**kw)
+
+
+def test_bad_inputs(tiny):
+    with pytest.raises(ValueError, match="empty batch"):
+        speculative_generate(tiny, [], 8)
+    with pytest.raises(ValueError, match="empty"):
+        speculative_generate(tiny, [[]], 8)
+    with pytest.raises(ValueError, match="context"):
+        speculative_generate(tiny, [[1] * 40960], 8)
+    with pytest.raises(ValueError, match="outside"):
+        speculative_generate(tiny, [[1, 100]], 8)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        speculative_generate(tiny, [[1, 2]], 0)
+    with pytest.raises(TypeError):
+        speculative_generate(tiny, [1, 2, 3], 8)
+    with pytest.raises(ValueError, match="tokenizer"):
+        speculative_generate(tiny, ["hello"], 8)
