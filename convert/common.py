@@ -1,0 +1,191 @@
+"""What the checkpoint readers share: dtypes, config (de)serialisation, registry matching,
+and assembling per-layer host arrays into a stacked `Params` tree."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import ml_dtypes
+import numpy as np
+
+from vegas_jax.config import REGISTRY, ModelConfig, RopeScaling
+from vegas_jax.model import LayerParams, Params
+
+_DTYPES = {
+    "bf16": "bfloat16", "bfloat16": "bfloat16",
+    "fp32": "float32", "f32": "float32", "float32": "float32",
+}
+
+# Fields that fix the weights' shapes and meaning: a checkpoint and a registry entry that
+# agree on these are the same model.
+STRUCTURE_FIELDS = (
+    "arch", "num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
+    "intermediate_size", "vocab_size",
+)
+
+
+def dtype_name(dtype: Any) -> str:
+    """'bfloat16' or 'float32' from a string ('bf16', 'fp32', ...) or a numpy/jax dtype."""
+    if isinstance(dtype, str):
+        key = dtype.strip().lower()
+    else:
+        try:
+            key = np.dtype(dtype).name
+        except TypeError:
+            key = repr(dtype)
+    if key not in _DTYPES:
+        raise ValueError(
+            f"unsupported dtype {dtype!r}: use bfloat16 ('bf16') or float32 ('fp32')"
+        )
+    return _DTYPES[key]
+
+
+def np_dtype(dtype: Any) -> np.dtype:
+    """The numpy dtype (ml_dtypes.bfloat16 for bf16) for any accepted dtype spelling."""
+    return np.dtype(ml_dtypes.bfloat16) if dtype_name(dtype) == "bfloat16" else np.dtype(np.float32)
+
+
+def config_to_json(cfg: ModelConfig) -> dict:
+    d = dataclasses.asdict(cfg)
+    d["eos_token_ids"] = list(cfg.eos_token_ids)
+    return d
+
+
+def config_from_json(d: dict) -> ModelConfig:
+    d = dict(d)
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    unknown = set(d) - known
+    if unknown:
+        raise ValueError(f"unknown ModelConfig fields in checkpoint config: {sorted(unknown)}")
+    if d.get("rope_scaling") is not None:
+        d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+    d["eos_token_ids"] = tuple(d.get("eos_token_ids") or ())
+    return ModelConfig(**d)
+
+
+def structure_diff(a: ModelConfig, b: ModelConfig) -> list[str]:
+    """Human-readable differences between two configs in the structural fields."""
+    return [
+        f"{f}: {getattr(a, f)} vs {getattr(b, f)}"
+        for f in STRUCTURE_FIELDS
+        if getattr(a, f) != getattr(b, f)
+    ]
+
+
+def registry_match(cfg: ModelConfig) -> ModelConfig | None:
+    """The registry entry with this config's structure, tying and RoPE base, if any."""
+    for entry in REGISTRY.values():
+        if (
+            not structure_diff(entry, cfg)
+            and entry.tie_embeddings == cfg.tie_embeddings
+            and entry.qk_norm == cfg.qk_norm
+            and np.isclose(entry.rope_theta, cfg.rope_theta)
+        ):
+            return entry
+    return None
+
+
+def layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Per-layer shapes of every LayerParams field (without the leading layer axis)."""
+    h, f, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    n, k = cfg.num_heads, cfg.num_kv_heads
+    shapes = {
+        "attn_norm": (h,), "wq": (h, n * d), "wk": (h, k * d), "wv": (h, k * d),
+        "wo": (n * d, h), "mlp_norm": (h,), "w_gate": (h, f), "w_up": (h, f),
+        "w_down": (f, h),
+    }
+    if cfg.qk_norm:
+        shapes["q_norm"] = (d,)
+        shapes["k_norm"] = (d,)
+    return shapes
+
+
+def params_shapes(cfg: ModelConfig) -> dict[str, Any]:
+    """Nested dict of full shapes, the same keys as `params_to_dict`."""
+    L = cfg.num_layers
+    out: dict[str, Any] = {
+        "embed": (cfg.vocab_size, cfg.hidden_size),
+        "final_norm": (cfg.hidden_size,),
+        "layers": {k: (L, *s) for k, s in layer_shapes(cfg).items()},
+    }
+    if not cfg.tie_embeddings:
+        out["lm_head"] = (cfg.hidden_size, cfg.vocab_size)
+    return out
+
+
+def _check_shape(name: str, arr: np.ndarray, shape: Sequence[int]):
+    if tuple(arr.shape) != tuple(shape):
+        raise ValueError(
+            f"checkpoint tensor {name} has shape {tuple(arr.shape)}, the config implies {tuple(shape)}"
+        )
+
+
+def stack_layers(
+    cfg: ModelConfig,
+    get_layer: Callable[[int], dict[str, np.ndarray]],
+    dtype: np.dtype,
+    progress: bool = False,
+    desc: str = "layers",
+) -> LayerParams:
+    """Build stacked `LayerParams` from `get_layer(i)` -> {field: array in OUR layout}.
+
+    The stacked buffers are allocated once in the target dtype and filled layer by layer, so
+    peak host memory stays close to the size of the result.
+    """
+    shapes = layer_shapes(cfg)
+    L = cfg.num_layers
+    stacked = {k: np.empty((L, *s), dtype) for k, s in shapes.items()}
+    layers = range(L)
+    if progress:
+        from tqdm.auto import tqdm
+
+        layers = tqdm(layers, desc=desc, unit="layer")
+    for i in layers:
+        got = get_layer(i)
+        missing = set(shapes) - set(got)
+        if missing:
+            raise ValueError(f"layer {i}: checkpoint lacks {sorted(missing)}")
+        for k, s in shapes.items():
+            _check_shape(f"layer {i} {k}", got[k], s)
+            stacked[k][i] = got[k].astype(dtype, copy=False)
+    return LayerParams(**stacked)
+
+
+def assemble(cfg: ModelConfig, embed, layers: LayerParams, final_norm, lm_head, dtype) -> Params:
+    shapes = params_shapes(cfg)
+    _check_shape("embed", embed, shapes["embed"])
+    _check_shape("final_norm", final_norm, shapes["final_norm"])
+    if cfg.tie_embeddings:
+        lm_head = None
+    else:
+        if lm_head is None:
+            raise ValueError("the config says the LM head is untied, but the checkpoint has none")
+        _check_shape("lm_head", lm_head, shapes["lm_head"])
+        lm_head = np.ascontiguousarray(lm_head, dtype=dtype)
+    return Params(
+        embed=np.ascontiguousarray(embed, dtype=dtype),
+        layers=layers,
+        final_norm=np.ascontiguousarray(final_norm, dtype=dtype),
+        lm_head=lm_head,
+    )
+
+
+def params_to_dict(params: Params) -> dict[str, Any]:
+    """Params -> nested dict of arrays without the None leaves (what orbax stores)."""
+    out: dict[str, Any] = {"embed": params.embed, "final_norm": params.final_norm}
+    if params.lm_head is not None:
+        out["lm_head"] = params.lm_head
+    out["layers"] = {
+        f.name: getattr(params.layers, f.name)
+        for f in dataclasses.fields(params.layers)
+        if getattr(params.layers, f.name) is not None
+    }
+    return out
+
+
+def params_from_dict(d: dict[str, Any]) -> Params:
+    return Params(
+        embed=d["embed"], layers=LayerParams(**d["layers"]), final_norm=d["final_norm"],
+        lm_head=d.get("lm_head"),
+    )

@@ -1,0 +1,176 @@
+"""Hugging Face checkpoint directory (config.json + *.safetensors) -> `Params` on the host.
+
+HF `nn.Linear` weights are [out, in]; ours are [in, out]. Layers are stacked on axis 0.
+Tensors are read straight from the safetensors files through a memory map (the format is
+an 8-byte header length, a JSON header and raw little-endian data), which handles bf16
+without torch or a framework round trip, and never holds more than one layer's source
+tensors in memory besides the stacked result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import struct
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from convert.common import assemble, np_dtype, registry_match, stack_layers
+from vegas_jax.config import ModelConfig, from_hf_config
+from vegas_jax.model import Params
+
+_ST_DTYPES = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
+    "BOOL": np.bool_,
+}
+
+# Tensors a Llama / Qwen3 checkpoint may carry that the model does not use.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class SafetensorsFile:
+    """Lazy, zero-copy reader of one .safetensors file."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        with open(self.path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) != 8:
+                raise ValueError(f"{self.path} is not a safetensors file (too short)")
+            (n,) = struct.unpack("<Q", raw)
+            if n > 100 * 2**20:
+                raise ValueError(f"{self.path} is not a safetensors file (header size {n})")
+            header = json.loads(f.read(n))
+        header.pop("__metadata__", None)
+        self.header = header
+        self._offset = 8 + n
+        self._mm = None
+
+    def keys(self):
+        return self.header.keys()
+
+    def get(self, name: str) -> np.ndarray:
+        info = self.header[name]
+        if info["dtype"] not in _ST_DTYPES:
+            raise ValueError(f"{self.path}: tensor {name} has unsupported dtype {info['dtype']}")
+        if self._mm is None:
+            self._mm = np.memmap(self.path, dtype=np.uint8, mode="r", offset=self._offset)
+        start, end = info["data_offsets"]
+        return self._mm[start:end].view(_ST_DTYPES[info["dtype"]]).reshape(info["shape"])
+
+
+class SafetensorsDir:
+    """All tensors of a (possibly sharded) checkpoint directory, by name."""
+
+    def __init__(self, path: Path):
+        path = Path(path)
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            bins = sorted(path.glob("*.bin")) + sorted(path.glob("*.pt*"))
+            hint = (
+                " (it has PyTorch .bin files: re-save it with "
+                "`save_pretrained(dir, safe_serialization=True)`)" if bins else ""
+            )
+            raise FileNotFoundError(f"no *.safetensors files in {path}{hint}")
+        self.where: dict[str, SafetensorsFile] = {}
+        for fpath in files:
+            st = SafetensorsFile(fpath)
+            for k in st.keys():
+                self.where[k] = st
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.where
+
+    def get(self, name: str) -> np.ndarray:
+        if name not in self.where:
+            raise KeyError(f"checkpoint has no tensor {name!r}")
+        return self.where[name].get(name)
+
+
+def read_config(path: str | Path, name: str | None = None) -> ModelConfig:
+    """Our config from an HF directory; EOS ids from generation_config.json are merged in,
+    and a checkpoint whose structure matches a registry entry takes that entry's name."""
+    path = Path(path)
+    hf = json.loads((path / "config.json").read_text())
+    cfg = from_hf_config(hf, name=name or path.name)
+    eos = list(cfg.eos_token_ids)
+    gen = path / "generation_config.json"
+    if gen.is_file():
+        g = json.loads(gen.read_text()).get("eos_token_id")
+        for e in [g] if isinstance(g, int) else (g or []):
+            if e not in eos:
+                eos.append(int(e))
+    updates = {"eos_token_ids": tuple(eos)}
+    if name is None:
+        entry = registry_match(cfg)
+        if entry is not None:
+            updates["name"] = entry.name
+    return dataclasses.replace(cfg, **updates)
+
+
+def load_hf_checkpoint(
+    path: str | Path, dtype="bfloat16", name: str | None = None, progress: bool | None = None
+) -> tuple[ModelConfig, Params]:
+    """Read an HF Llama / Qwen3 checkpoint directory into host arrays of `dtype`."""
+    path = Path(path)
+    cfg = read_config(path, name=name)
+    dt = np_dtype(dtype)
+    st = SafetensorsDir(path)
+    prefix = "model." if "model.embed_tokens.weight" in st else ""
+    if progress is None:
+        progress = cfg.num_params() > 1_000_000_000
+
+    def t(name):  # HF [out, in] -> ours [in, out]
+        return st.get(name).T
+
+    def layer(i: int):
+        p = f"{prefix}layers.{i}."
+        out = {
+            "attn_norm": st.get(p + "input_layernorm.weight"),
+            "wq": t(p + "self_attn.q_proj.weight"),
+            "wk": t(p + "self_attn.k_proj.weight"),
+            "wv": t(p + "self_attn.v_proj.weight"),
+            "wo": t(p + "self_attn.o_proj.weight"),
+            "mlp_norm": st.get(p + "post_attention_layernorm.weight"),
+            "w_gate": t(p + "mlp.gate_proj.weight"),
+            "w_up": t(p + "mlp.up_proj.weight"),
+            "w_down": t(p + "mlp.down_proj.weight"),
+        }
+        if cfg.qk_norm:
+            out["q_norm"] = st.get(p + "self_attn.q_norm.weight")
+            out["k_norm"] = st.get(p + "self_attn.k_norm.weight")
+        return out
+
+    layers = stack_layers(cfg, layer, dt, progress=progress, desc=f"{path.name} layers")
+    lm_head = None
+    if not cfg.tie_embeddings:
+        if "lm_head.weight" not in st:
+            raise ValueError(
+                f"{path}: config.json says tie_word_embeddings=false but there is no lm_head.weight"
+            )
+        lm_head = t("lm_head.weight")
+    params = assemble(
+        cfg, st.get(prefix + "embed_tokens.weight"), layers, st.get(prefix + "norm.weight"),
+        lm_head, dt,
+    )
+    return cfg, params
+
+
+def load_hf_tokenizer(path: str | Path):
+    """The directory's tokenizer, or None when it has no tokenizer files."""
+    path = Path(path)
+    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(path))
+    except Exception:
+        if (path / "tokenizer.json").is_file():
+            from transformers import PreTrainedTokenizerFast
+
+            return PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"))
+        raise

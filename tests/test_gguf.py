@@ -1,0 +1,164 @@
+"""SmolLM2-135M from the embedded GGUF: our loader vs transformers loading the same file.
+
+Both dequantize the same Q4_1 / Q8_0 blocks, so in fp32 the logits agree to float
+rounding; greedy text must be identical. transformers' GGUF path imports torch (fine
+here, as the reference); ours must not.
+"""
+
+from __future__ import annotations
+
+import functools
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from vegas_jax.attention import AttnSpec
+from vegas_jax.cache import init_cache
+from vegas_jax.config import REGISTRY
+from vegas_jax.loading import load_model
+from vegas_jax.model import forward
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "The ten largest cities in Europe are:\n1.",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "Here is a short story about a robot who learns to paint. Once upon a time,",
+]
+N_NEW = 40
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def ours(smollm2_gguf):
+    return load_model(checkpoint=smollm2_gguf, dtype=jnp.float32)
+
+
+@pytest.fixture(scope="module")
+def theirs(smollm2_gguf):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(smollm2_gguf)
+    kw = dict(gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), dtype=torch.float32, **kw)
+    model.config._attn_implementation = "eager"
+    tok = AutoTokenizer.from_pretrained(str(path.parent), **kw)
+    return model.eval(), tok
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _forward(params, cfg, tokens, positions, cache):
+    return forward(params, cfg, tokens, positions, cache, AttnSpec())
+
+
+def greedy(model, ids: list[int], n_new: int):
+    """Minimal greedy loop: prefill, then one token per step through the KV cache.
+
+    Returns (new tokens, fp32 logits [len(ids) + n_new - 1, v]: the prefill's logits at
+    every prompt position, then each decode step's)."""
+    cfg = model.config
+    cache = init_cache(cfg, 1, 128, jnp.float32)
+    logits, cache, _ = _forward(
+        model.params, cfg, jnp.asarray([ids], jnp.int32), jnp.arange(len(ids))[None], cache
+    )
+    rows = [np.asarray(logits[0])]
+    out = [int(jnp.argmax(logits[0, -1]))]
+    n = len(ids)
+    for _ in range(n_new - 1):
+        logits, cache, _ = _forward(
+            model.params, cfg, jnp.asarray([[out[-1]]], jnp.int32), jnp.asarray([[n]]), cache
+        )
+        n += 1
+        rows.append(np.asarray(logits[0]))
+        out.append(int(jnp.argmax(logits[0, 0])))
+    return out, np.concatenate(rows)
+
+
+@pytest.fixture(scope="module")
+def runs(ours, theirs):
+    """Per prompt: our greedy tokens and logits, and transformers' logits over the same
+    text (prompt + our tokens but the last) in one full forward."""
+    import torch
+
+    model, tok = theirs
+    res = []
+    for prompt in PROMPTS:
+        ids = tok.encode(prompt)
+        new, our_logits = greedy(ours, ids, N_NEW)
+        with torch.no_grad():
+            ref = model(torch.tensor([ids + new[:-1]])).logits[0].numpy()
+        res.append((prompt, ids, new, our_logits, ref))
+    return res
+
+
+def test_logits_match_transformers(runs):
+    for prompt, ids, new, got, ref in runs:
+        assert got.shape == ref.shape
+        err = np.abs(got - ref).max()
+        # Logits are O(10-30): this is float32 rounding through 30 layers, for the prefill
+        # rows and every decode step through our KV cache alike.
+        assert err < 2e-3, f"{prompt!r}: max abs err {err:.2e}"
+
+
+def test_greedy_text_matches_transformers(runs, ours, theirs):
+    """Teacher forcing proves greedy equality: if transformers' argmax after every prefix
+    of our output is our next token, its greedy decoding emits exactly our tokens."""
+    _, tok = theirs
+    for prompt, ids, new, got, ref in runs:
+        theirs_next = ref[len(ids) - 1:].argmax(-1).tolist()
+        assert len(new) >= 32
+        assert theirs_next == new, (
+            f"{prompt!r}\nours:   {ours.tokenizer.decode(new)!r}\n"
+            f"theirs: {tok.decode(theirs_next)!r}"
+        )
+        assert ours.tokenizer.decode(new) == tok.decode(theirs_next)
+
+
+def test_config_is_the_registry_entry(ours):
+    assert ours.config == REGISTRY["smollm2-135m"]
+    assert ours.params.lm_head is None  # tied
+    assert ours.params.layers.wq.shape == (30, 576, 576)
+    assert ours.params.layers.wk.shape == (30, 576, 192)
+
+
+def test_tokenizer_matches_transformers(ours, theirs):
+    _, tok = theirs
+    texts = PROMPTS + ["<|im_start|>user\nHi there!<|im_end|>\n", "  spaces\tand 123456 \u00fcn\u00efc\u00f6d\u00e9"]
+    for text in texts:
+        ids = ours.tokenizer.encode(text)
+        assert ids == tok.encode(text)
+        assert ours.tokenizer.decode(ids) == tok.decode(ids)
+    assert ours.tokenizer.eos_token_id == 2
+    chat = [{"role": "user", "content": "Hi"}]
+    assert ours.tokenizer.apply_chat_template(chat, tokenize=False) == tok.apply_chat_template(
+        chat, tokenize=False)
+
+
+def test_default_model_is_smollm2_bf16():
+    m = load_model()
+    assert m.config.name == "smollm2-135m"
+    assert m.params.embed.dtype == jnp.bfloat16
+    assert m.tokenizer is not None
+    assert m.tokenizer.decode(m.tokenizer.encode("Hello world")) == "Hello world"
+
+
+def test_gguf_path_never_imports_torch(smollm2_gguf):
+    code = textwrap.dedent(f"""
+        import sys
+        from vegas_jax.loading import load_model
+        m = load_model(checkpoint={str(smollm2_gguf)!r})
+        assert m.tokenizer.encode("Hello world") == [19556, 905], m.tokenizer.encode("Hello world")
+        bad = sorted(k for k in sys.modules if k == "torch" or k.startswith("torch."))
+        assert not bad, bad
+        print("ok")
+    """)
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]

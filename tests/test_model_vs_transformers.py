@@ -1,0 +1,167 @@
+"""Our model equals transformers' (PyTorch) on tiny random Llama / Qwen3 checkpoints.
+
+Each checkpoint is written by transformers as real safetensors and read back through OUR
+loader; fp32 logits must agree to < 1e-4 for a ragged batch prefill and for several decode
+steps through our KV cache (vs a full recompute in transformers).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import TINY_CONFIGS
+from vegas_jax.attention import AttnSpec
+from vegas_jax.cache import init_cache
+from vegas_jax.config import REGISTRY, from_hf_config
+from vegas_jax.loading import load_model
+from vegas_jax.model import forward
+
+TOL = 1e-4
+LENS = [11, 5, 17]  # a ragged batch: right padding, per-sequence positions
+DECODE_STEPS = 4
+MAX_LEN = 64
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _forward(params, cfg, tokens, positions, cache):
+    return forward(params, cfg, tokens, positions, cache, AttnSpec())
+
+
+def _hf_logits(hf_model, ids):
+    import torch
+
+    with torch.no_grad():
+        return hf_model(torch.tensor([ids])).logits[0].float().numpy()
+
+
+@pytest.mark.parametrize("kind", sorted(TINY_CONFIGS))
+def test_logits_match_transformers(kind, tiny_hf):
+    ckpt, hf_model = tiny_hf(kind)
+    model = load_model(checkpoint=ckpt, dtype=jnp.float32)
+    cfg = model.config
+    assert cfg.arch == TINY_CONFIGS[kind][0]
+    assert cfg.tie_embeddings == (model.params.lm_head is None)
+    assert jax.tree.leaves(model.params)[0].dtype == jnp.float32
+
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for n in LENS]
+    b, width = len(prompts), max(LENS)
+    toks = np.zeros((b, width), np.int32)
+    pos = np.full((b, width), MAX_LEN, np.int32)  # padding writes past the cache: dropped
+    for i, p in enumerate(prompts):
+        toks[i, : len(p)] = p
+        pos[i, : len(p)] = np.arange(len(p))
+
+    # Prefill: every real position of every sequence.
+    cache = init_cache(cfg, b, MAX_LEN, jnp.float32)
+    logits, cache, _ = _forward(model.params, cfg, jnp.asarray(toks), jnp.asarray(pos), cache)
+    logits = np.asarray(logits)
+    for i, p in enumerate(prompts):
+        ref = _hf_logits(hf_model, p)
+        err = np.abs(logits[i, : len(p)] - ref).max()
+        assert err < TOL, f"{kind}: prefill seq {i} max abs err {err:.2e}"
+    cache = cache.replace(lengths=jnp.asarray(LENS, jnp.int32))
+
+    # Decode: one token per step at each sequence's own position, vs full recompute.
+    seqs = [list(p) for p in prompts]
+    for step in range(DECODE_STEPS):
+        new = rng.integers(3, cfg.vocab_size, b)
+        positions = cache.lengths[:, None]
+        logits, cache, _ = _forward(
+            model.params, cfg, jnp.asarray(new[:, None], jnp.int32), positions, cache
+        )
+        cache = cache.replace(lengths=cache.lengths + 1)
+        for i in range(b):
+            seqs[i].append(int(new[i]))
+            ref = _hf_logits(hf_model, seqs[i])[-1]
+            err = np.abs(np.asarray(logits[i, 0]) - ref).max()
+            assert err < TOL, f"{kind}: decode step {step} seq {i} max abs err {err:.2e}"
+
+
+def test_loaded_config_matches_hf_config(tiny_hf):
+    ckpt, hf_model = tiny_hf("llama3-rope")
+    cfg = load_model(checkpoint=ckpt, dtype="fp32").config
+    hc = hf_model.config
+    assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads) == (
+        hc.num_hidden_layers, hc.hidden_size, hc.num_attention_heads, hc.num_key_value_heads)
+    assert cfg.rope_scaling is not None and cfg.rope_scaling.kind == "llama3"
+    assert cfg.rope_scaling.factor == 8.0 and cfg.rope_scaling.original_max_position == 64
+    ckpt, _ = tiny_hf("qwen3-yarn")
+    cfg = load_model(checkpoint=ckpt, dtype="fp32").config
+    assert cfg.qk_norm and cfg.rope_scaling.kind == "yarn" and cfg.rope_scaling.factor == 4.0
+
+
+# ---------------------------------------------------------------------------------------
+# Registry vs the official config.json values
+# ---------------------------------------------------------------------------------------
+
+# The official config.json of each checkpoint (the fields that matter), as published on
+# the Hugging Face hub: HuggingFaceTB/SmolLM2-135M-Instruct, Qwen/Qwen3-*,
+# meta-llama/Llama-3.1-8B-Instruct.
+def _qwen3(hidden, inter, layers, heads, tie):
+    return {
+        "model_type": "qwen3", "hidden_size": hidden, "intermediate_size": inter,
+        "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": 8,
+        "head_dim": 128, "vocab_size": 151936, "rope_theta": 1000000, "rope_scaling": None,
+        "tie_word_embeddings": tie, "rms_norm_eps": 1e-06, "max_position_embeddings": 40960,
+        "attention_bias": False, "bos_token_id": 151643, "eos_token_id": 151645,
+    }
+
+
+OFFICIAL = {
+    "smollm2-135m": {
+        "model_type": "llama", "hidden_size": 576, "intermediate_size": 1536,
+        "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+        "head_dim": 64, "vocab_size": 49152, "rope_theta": 100000, "rope_scaling": None,
+        "tie_word_embeddings": True, "rms_norm_eps": 1e-05, "max_position_embeddings": 8192,
+        "bos_token_id": 1, "eos_token_id": 2,
+    },
+    "qwen3-0.6b": _qwen3(1024, 3072, 28, 16, True),
+    "qwen3-1.7b": _qwen3(2048, 6144, 28, 16, True),
+    "qwen3-4b": _qwen3(2560, 9728, 36, 32, True),
+    "qwen3-8b": _qwen3(4096, 12288, 36, 32, False),
+    "qwen3-14b": _qwen3(5120, 17408, 40, 40, False),
+    "qwen3-32b": _qwen3(5120, 25600, 64, 64, False),
+    "llama-3.1-8b": {
+        "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "vocab_size": 128256, "rope_theta": 500000.0,
+        "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+        "tie_word_embeddings": False, "rms_norm_eps": 1e-05,
+        "max_position_embeddings": 131072, "attention_bias": False, "mlp_bias": False,
+        "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009],
+    },
+}
+
+FIELDS = (
+    "arch", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+    "intermediate_size", "vocab_size", "rope_theta", "tie_embeddings", "rms_norm_eps",
+    "max_position_embeddings", "qk_norm", "rope_scaling", "bos_token_id",
+)
+
+
+def test_registry_covers_required_names():
+    assert set(OFFICIAL) <= set(REGISTRY)
+
+
+@pytest.mark.parametrize("name", sorted(OFFICIAL))
+def test_registry_matches_official_config(name):
+    ours = REGISTRY[name]
+    theirs = from_hf_config(OFFICIAL[name], name=name)
+    for f in FIELDS:
+        assert getattr(ours, f) == getattr(theirs, f), f"{name}.{f}"
+    # config.json's eos id must be among ours (generation_config adds more for some models)
+    assert set(theirs.eos_token_ids) <= set(ours.eos_token_ids)
+    assert ours.num_params() > 0
+
+
+def test_qwen3_yarn_reaches_128k():
+    cfg = REGISTRY["qwen3-8b"].with_yarn(4.0)
+    assert cfg.max_position_embeddings == 131072
+    assert cfg.rope_scaling.kind == "yarn" and cfg.rope_scaling.original_max_position == 32768
