@@ -111,6 +111,8 @@ from jax.experimental.pallas import triton as pltr  # noqa: E402
 _dot = getattr(pltr, "dot", None) or pl.dot  # moved to pallas.triton in newer jax
 NEG = -0.7 * float(jnp.finfo(jnp.float32).max)
 _LOGIT_CLIP = 60000.0
+_LOG2E = 1.4426950408889634
+_LN2 = 0.6931471805599453
 
 
 def _pow2_at_least(n, lo=16):
@@ -121,7 +123,9 @@ def _pow2_at_least(n, lo=16):
 
 
 def _verify_kernel(layer_ref, q_ref, rowpos_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *cap_refs,
-                   block_k, split_len, s_len, scale, rows, n_cap, kh, normalize):
+                   block_k, split_len, s_len, scale, rows, n_cap_tok, g, kh, normalize, base2):
+    """Flash-decoding over one key split. With base2, logits / max / LSE are in log2 units
+    (exp2 is cheaper than exp); the XLA side converts."""
     bi = pl.program_id(0)
     h = pl.program_id(1)
     qb = pl.program_id(2)
@@ -130,15 +134,20 @@ def _verify_kernel(layer_ref, q_ref, rowpos_ref, k_ref, v_ref, o_ref, m_ref, l_r
     q = q_ref[...]  # [rows, d]
     rp = rowpos_ref[...]  # [rows] int32, -1 for padding rows
     d = q.shape[-1]
+    ex = jnp.exp2 if base2 else jnp.exp
 
     start = j * split_len
     end = jnp.minimum(jnp.minimum(start + split_len, jnp.max(rp) + 1), s_len)
     nblk = pl.cdiv(jnp.maximum(end - start, 0), block_k)
     kr = jnp.arange(block_k, dtype=jnp.int32)
+    rr = jnp.arange(rows, dtype=jnp.int32)
     if cap_refs:
+        # capture buffer row of (b, capture token u, head h, group member gi):
+        # ((b * nu + u) * kh + h) * g + gi  -> the XLA epilogue reduces adjacent axes.
         (cap_ref,) = cap_refs
-        cap_row0 = (bi * kh + h) * n_cap + qb * rows
-        cap_rowmask = (qb * rows + jnp.arange(rows, dtype=jnp.int32)) < n_cap
+        nu = n_cap_tok
+        cap_base = [((bi * nu + u) * kh + h - u) * g for u in range(nu)]
+        cap_mask = [(rr >= u * g) & (rr < (u + 1) * g) & (qb == 0) for u in range(nu)]
 
     def body(i, carry):
         o, m, l = carry
@@ -149,14 +158,15 @@ def _verify_kernel(layer_ref, q_ref, rowpos_ref, k_ref, v_ref, o_ref, m_ref, l_r
                       other=0.0)
         qk = _dot(q, k, trans_b=True) * scale  # [rows, block_k] fp32
         if cap_refs:
-            pltr.store(cap_ref.at[pl.ds(cap_row0, rows), pl.ds(k0, block_k)],
-                       jnp.clip(qk, -_LOGIT_CLIP, _LOGIT_CLIP).astype(cap_ref.dtype),
-                       mask=cap_rowmask[:, None] & inb[None, :])
+            qc = jnp.clip(qk, -_LOGIT_CLIP, _LOGIT_CLIP).astype(cap_ref.dtype)
+            for u in range(nu):
+                pltr.store(cap_ref.at[pl.ds(cap_base[u], rows), pl.ds(k0, block_k)], qc,
+                           mask=cap_mask[u][:, None] & inb[None, :])
         vis = kidx[None, :] <= rp[:, None]
         qk = jnp.where(vis, qk, NEG)
         m_new = jnp.maximum(m, qk.max(axis=-1))
-        corr = jnp.exp(m - m_new)
-        p = jnp.exp(qk - m_new[:, None])
+        corr = ex(m - m_new)
+        p = ex(qk - m_new[:, None])
         l = l * corr + p.sum(axis=-1)
         v = pltr.load(v_ref.at[layer, bi, h, pl.ds(k0, block_k), :], mask=inb[:, None],
                       other=0.0)
@@ -168,8 +178,9 @@ def _verify_kernel(layer_ref, q_ref, rowpos_ref, k_ref, v_ref, o_ref, m_ref, l_r
     l0 = jnp.zeros((rows,), jnp.float32)
     o, m, l = lax.fori_loop(0, nblk, body, (o0, m0, l0))
     if normalize:  # single split: finish here (prefill), m_ref receives the LSE
+        lg = jnp.log2 if base2 else jnp.log
         o = o / jnp.where(l == 0.0, 1.0, l)[:, None]
-        m = m + jnp.log(jnp.where(l == 0.0, 1.0, l))
+        m = m + lg(jnp.where(l == 0.0, 1.0, l))
     o_ref[...] = o.astype(o_ref.dtype)
     m_ref[...] = m
     l_ref[...] = l
@@ -181,15 +192,17 @@ def _whole(shape):
 
 
 def _verify_call(layer, qr, rowpos, k_cache, v_cache, *, rows, n_splits, split_len, block_k,
-                 n_cap, cap_dtype, num_warps, num_stages, interpret, out_dtype):
+                 n_cap_tok, g, cap_dtype, num_warps, num_stages, interpret, out_dtype,
+                 base2=True):
     """qr [b, kh, nqb*rows, d]; rowpos [b, nqb*rows]. Returns o [b,kh,J,R,d], m, l, cap."""
     b, kh, rtot, d = qr.shape
     s_len = k_cache.shape[3]
     nqb = rtot // rows
     normalize = n_splits == 1
+    scale = d**-0.5 * (_LOG2E if base2 else 1.0)
     kernel = functools.partial(
-        _verify_kernel, block_k=block_k, split_len=split_len, s_len=s_len, scale=d**-0.5,
-        rows=rows, n_cap=n_cap, kh=kh, normalize=normalize)
+        _verify_kernel, block_k=block_k, split_len=split_len, s_len=s_len, scale=scale,
+        rows=rows, n_cap_tok=n_cap_tok, g=g, kh=kh, normalize=normalize, base2=base2)
     out_shape = [
         jax.ShapeDtypeStruct((b, kh, n_splits, rtot, d), out_dtype if normalize else jnp.float32),
         jax.ShapeDtypeStruct((b, kh, n_splits, rtot), jnp.float32),
@@ -200,10 +213,11 @@ def _verify_call(layer, qr, rowpos, k_cache, v_cache, *, rows, n_splits, split_l
         pl.BlockSpec((None, None, None, rows), lambda bi, h, qb, j: (bi, h, j, qb)),
         pl.BlockSpec((None, None, None, rows), lambda bi, h, qb, j: (bi, h, j, qb)),
     ]
-    if n_cap:
-        # rows (bi*kh + h)*n_cap + r hold capture row r; `rows` spare rows keep every
-        # program's (masked) store window inside the buffer.
-        out_shape.append(jax.ShapeDtypeStruct((b * kh * n_cap + rows, s_len), cap_dtype))
+    if n_cap_tok:
+        # [b, nu, kh, g] capture rows, then `rows` spare rows that keep every program's
+        # (masked) store window inside the buffer.
+        out_shape.append(jax.ShapeDtypeStruct((b * n_cap_tok * kh * g + rows, s_len),
+                                              cap_dtype))
         out_specs.append(_whole(out_shape[-1].shape))
     res = pl.pallas_call(
         kernel,
@@ -221,7 +235,7 @@ def _verify_call(layer, qr, rowpos, k_cache, v_cache, *, rows, n_splits, split_l
         interpret=interpret,
         name="vegas_verify_attention",
     )(jnp.reshape(layer, (1,)).astype(jnp.int32), qr, rowpos, k_cache, v_cache)
-    if n_cap:
+    if n_cap_tok:
         return res
     return (*res, None)
 
@@ -247,7 +261,7 @@ def verify_attention(
     q, k_cache, v_cache, layer, q_pos, *, capture="none", capture_rows=(0,), score="weight",
     interpret=False, block_k=None, num_warps=None, num_stages=None, max_rows=64,
     row_block=128, target_programs=528, min_split=512, cap_dtype=jnp.float16,
-    prefill_impl="pallas",
+    prefill_impl="pallas", base2=True,
 ):
     """Pallas (Triton) op with exactly `verify_attention_reference`'s semantics.
 
@@ -310,19 +324,20 @@ def verify_attention(
 
     o, m, l, cap = _verify_call(
         layer, qr, rp, k_cache, v_cache, rows=rows, n_splits=n_splits, split_len=split_len,
-        block_k=bk, n_cap=n_cap, cap_dtype=cap_dtype, num_warps=nw, num_stages=ns,
-        interpret=interpret, out_dtype=q.dtype)
+        block_k=bk, n_cap_tok=len(uniq), g=g, cap_dtype=cap_dtype, num_warps=nw,
+        num_stages=ns, interpret=interpret, out_dtype=q.dtype, base2=base2)
+    unit = _LN2 if base2 else 1.0  # kernel logits / LSE are in log2 units with base2
 
     if n_splits == 1:
         out = o[:, :, 0]
         lse = m[:, :, 0]
     else:
         mx = lax.optimization_barrier(m.max(axis=2))  # [b, kh, R]
-        w = jnp.exp(m - mx[:, :, None])
+        w = jnp.exp2(m - mx[:, :, None]) if base2 else jnp.exp(m - mx[:, :, None])
         lsum = (l * w).sum(axis=2)
         lsafe = jnp.where(lsum == 0.0, 1.0, lsum)
         out = ((o * w[..., None]).sum(axis=2) / lsafe[..., None]).astype(q.dtype)
-        lse = mx + jnp.log(lsafe)
+        lse = mx + (jnp.log2(lsafe) if base2 else jnp.log(lsafe))
     out = out.reshape(b, kh, nqb, rows, d)[:, :, :, : tq * g]
     out = out.reshape(b, kh, tpad, g, d)[:, :, :t].transpose(0, 2, 1, 3, 4)
     if perm != list(range(t)):
@@ -331,15 +346,15 @@ def verify_attention(
         return out, None
 
     nu = len(uniq)
-    logits = cap[: b * kh * n_cap].reshape(b, kh, nu, g, s).astype(jnp.float32)
-    lse_c = lse[:, :, :n_cap].reshape(b, kh, nu, g)
+    logits = cap[: b * nu * kh * g].reshape(b, nu, kh * g, s).astype(jnp.float32)
+    lse_c = lse[:, :, :n_cap].reshape(b, kh, nu, g).transpose(0, 2, 1, 3).reshape(b, nu, kh * g)
     pos_c = q_pos[:, jnp.array(uniq)].astype(jnp.int32)  # [b, nu]
     valid = jnp.arange(s, dtype=jnp.int32)[None, None, :] <= pos_c[:, :, None]  # [b, nu, s]
     if score == "weight":
-        per = jnp.exp(logits - lse_c[..., None])
+        per = jnp.exp2(logits - lse_c[..., None]) if base2 else jnp.exp(logits - lse_c[..., None])
     else:
-        per = logits
-    per = jnp.where(valid[:, None, :, None, :], per, 0.0).mean(axis=(1, 3))  # [b, nu, s]
+        per = logits * unit
+    per = jnp.where(valid[:, :, None, :], per, 0.0).mean(axis=2)  # [b, nu, s]
     sel = per[:, jnp.array([uniq.index(r) for r in cap_list])]  # [b, r, s]
     return out, (sel.mean(axis=1) if capture == "mean" else sel)
 

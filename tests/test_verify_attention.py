@@ -58,12 +58,13 @@ CASES = [
 @pytest.mark.parametrize("case", CASES, ids=[f"c{i}" for i in range(len(CASES))])
 def test_verify_matches_reference(case):
     L, b, kh, g, d, s, gamma, dtype, base, capture, rows, score = case
+    base2 = len(base) != 3  # both the exp2 (default) and the exp kernel variants
     q, kc, vc, q_pos = _inputs(len(base) + s, L, b, kh, g, d, s, gamma + 1, dtype, base)
     layer = jnp.int32(L - 1)
     kw = dict(capture=capture, capture_rows=rows, score=score)
     # small blocks/splits so several key splits and blocks (and a ragged last one) run
     out = verify_attention(q, kc, vc, layer, q_pos, interpret=True, block_k=16, min_split=32,
-                           target_programs=4 * b * kh, **kw)
+                           target_programs=4 * b * kh, base2=base2, **kw)
     ref = verify_attention_reference(q, kc, vc, layer, q_pos, **kw)
     _check(out, ref, dtype)
 
@@ -102,21 +103,21 @@ def test_every_output_written():
     the epilogue read must have been overwritten by the kernel."""
     L, b, kh, g, d, s, t = 1, 2, 2, 4, 64, 70, 3
     q, kc, vc, q_pos = _inputs(7, L, b, kh, g, d, s, t, jnp.float32, (60, 30))
-    rows, n_cap = 16, 2 * g
+    rows, nu = 16, 2
     qr = jnp.pad(q.transpose(0, 2, 1, 3, 4).reshape(b, kh, t * g, d),
                  ((0, 0), (0, 0), (0, rows - t * g), (0, 0)))
     rp = jnp.pad(jnp.repeat(q_pos, g, axis=1), ((0, 0), (0, rows - t * g)), constant_values=-1)
     o, m, l, cap = _verify_call(
         jnp.int32(0), qr, rp, kc, vc, rows=rows, n_splits=3, split_len=32, block_k=16,
-        n_cap=n_cap, cap_dtype=jnp.float16, num_warps=4, num_stages=2, interpret=True,
+        n_cap_tok=nu, g=g, cap_dtype=jnp.float16, num_warps=4, num_stages=2, interpret=True,
         out_dtype=q.dtype)
     assert np.isnan(np.asarray(jnp.full((2,), jnp.nan))).all()  # sanity of the premise
     for x in (o, m, l):
         assert np.isfinite(np.asarray(x)).all()
-    cap = np.asarray(cap[: b * kh * n_cap], np.float32).reshape(b, kh, n_cap, s)
+    cap = np.asarray(cap[: b * nu * kh * g], np.float32).reshape(b, nu, kh, g, s)
     for bi in range(b):
-        vis = int(q_pos[bi, n_cap // g - 1])  # capture rows = first tokens here
-        assert np.isfinite(cap[bi, :, :, : vis + 1]).all()
+        for u in range(nu):  # capture tokens = the first nu tokens here
+            assert np.isfinite(cap[bi, u, :, :, : int(q_pos[bi, u]) + 1]).all()
 
 
 def _lower_cuda(fn, *args):
