@@ -139,7 +139,8 @@ def init_params(cfg: ModelConfig, key, dtype=jnp.bfloat16, scale: float = 0.02) 
     """
     L, h, f, d = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     n, kv = cfg.num_heads, cfg.num_kv_heads
-    keys = iter(jax.random.split(key, 10))
+    # list(): split eagerly; iterating a typed key array lazily inside `make` (traced) fails.
+    keys = iter(list(jax.random.split(key, 10)))
 
     def normal(shape):
         return (jax.random.normal(next(keys), shape, jnp.float32) * scale).astype(dtype)
