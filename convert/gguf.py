@@ -141,21 +141,14 @@ def read_tokenizer(reader):
     return PreTrainedTokenizerFast(tokenizer_object=fast, **tok_config)
 
 
-def load_gguf(
-    path: str | Path,
-    dtype="bfloat16",
-    progress: bool | None = None,
-    tokenizer: bool = True,
-    config_only: bool = False,
-) -> tuple[ModelConfig, Params | None, Any]:
-    """Read a GGUF file: (config, host params of `dtype` or None when `config_only`,
-    tokenizer or None)."""
-    path = Path(path)
-    reader = _reader(path)
-    cfg = read_config(reader, path)
-    tok = read_tokenizer(reader) if tokenizer else None
-    if config_only:
-        return cfg, None, tok
+def open_gguf(path: str | Path):
+    """A `gguf.GGUFReader` over the file (memory-mapped: cheap until tensors are read)."""
+    return _reader(Path(path))
+
+
+def read_params(reader, cfg: ModelConfig, dtype="bfloat16", progress: bool | None = None,
+                path: Path | None = None) -> Params:
+    """Dequantize every tensor into host arrays of `dtype`, in our layout."""
     from gguf.quants import dequantize
 
     dt = np_dtype(dtype)
@@ -169,6 +162,7 @@ def load_gguf(
         t = tensors[name]
         return dequantize(t.data, t.tensor_type)
 
+    # llama.cpp permutes Q/K rows only for the Llama family (not for Qwen3).
     permute = cfg.arch == "llama"
 
     def layer(i: int):
@@ -191,7 +185,18 @@ def load_gguf(
             out["k_norm"] = get(p + "attn_k_norm.weight")
         return out
 
-    layers = stack_layers(cfg, layer, dt, progress=progress, desc=f"{path.name} layers")
+    name = Path(path).name if path is not None else "gguf"
+    layers = stack_layers(cfg, layer, dt, progress=progress, desc=f"{name} layers")
     lm_head = None if cfg.tie_embeddings else get("output.weight").T
-    params = assemble(cfg, get("token_embd.weight"), layers, get("output_norm.weight"), lm_head, dt)
-    return cfg, params, tok
+    return assemble(cfg, get("token_embd.weight"), layers, get("output_norm.weight"), lm_head, dt)
+
+
+def load_gguf(
+    path: str | Path, dtype="bfloat16", progress: bool | None = None, tokenizer: bool = True
+) -> tuple[ModelConfig, Params, Any]:
+    """Read a GGUF file: (config, host params of `dtype`, tokenizer or None)."""
+    path = Path(path)
+    reader = open_gguf(path)
+    cfg = read_config(reader, path)
+    params = read_params(reader, cfg, dtype, progress, path)
+    return cfg, params, read_tokenizer(reader) if tokenizer else None

@@ -188,14 +188,16 @@ def load_model(
     kind = checkpoint_kind(path)
 
     if kind == "gguf":
-        from convert.gguf import load_gguf
+        from convert import gguf
 
-        cfg, host, tokenizer = load_gguf(path, dt, config_only=random_init)
+        reader = gguf.open_gguf(path)
+        cfg = gguf.read_config(reader, path)
         if name is not None:
             cfg = _check_agrees(name, cfg, path)
+        tokenizer = gguf.read_tokenizer(reader)
         if random_init:
             return Model(cfg, init_params(cfg, jax.random.key(seed), dt), tokenizer)
-        return Model(cfg, _to_device(host), tokenizer)
+        return Model(cfg, _to_device(gguf.read_params(reader, cfg, dt, path=path)), tokenizer)
 
     from convert.hf import load_hf_tokenizer
 

