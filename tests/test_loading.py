@@ -3,6 +3,7 @@ clear error for every bad input."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import shutil
@@ -135,9 +136,9 @@ def test_bf16_sharded_safetensors(tiny_hf, tmp_path):
 
     _, hf_model = tiny_hf("llama3-rope")
     d = tmp_path / "bf16-sharded"
-    hf_model.to(torch.bfloat16).save_pretrained(str(d), safe_serialization=True,
-                                                max_shard_size="40KB")
-    hf_model.to(torch.float32)
+    # A copy: the session's reference model must keep its fp32 weights.
+    copy.deepcopy(hf_model).to(torch.bfloat16).save_pretrained(
+        str(d), safe_serialization=True, max_shard_size="40KB")
     assert len(list(d.glob("*.safetensors"))) > 1 and (d / "model.safetensors.index.json").is_file()
     m = load_model(checkpoint=d, dtype="fp32")
     sd = {k: v.to(torch.bfloat16).float().numpy() for k, v in hf_model.state_dict().items()}
