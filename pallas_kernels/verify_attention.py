@@ -295,7 +295,7 @@ def verify_attention(
         return out, sc
 
     decode_like = t * g <= max_rows
-    bk = block_k or (64 if decode_like or d > 64 else 64)
+    bk = block_k or (128 if decode_like else 64)  # H200 sweep (BENCHMARKS.md)
     bk = min(bk, _pow2_at_least(s))
     rows, tq, nqb, n_splits, split_len = _plan(
         b, kh, t, g, s, max_rows=max_rows, row_block=row_block,
