@@ -258,10 +258,44 @@ def start(model, prompts, max_new_tokens, sampling, extra_len, attn_impl):
     impl = attn_impl or default_impl()
     if impl not in ("xla", "pallas"):
         raise ValueError(f"attn_impl must be 'xla' or 'pallas', got {impl!r}")
-    tokens, lens_arr = pad_prompts(ids)
     dtype = jax.tree.leaves(model.params)[0].dtype
     cache = init_cache(model.config, len(ids), max_len, dtype)
-    return ids, tokens, lens_arr, cache, impl
+    return ids, cache, impl
+
+
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def _put_rows(cache: KVCache, sub: KVCache, rows):
+    return cache.replace(k=cache.k.at[:, rows].set(sub.k), v=cache.v.at[:, rows].set(sub.v))
+
+
+def prefill_prompts(params, cfg, ids: list[list[int]], cache: KVCache, impl: str, capture: bool):
+    """Prefill a ragged batch. Prompts are grouped by padded length so that a short prompt
+    does not pay for the longest one's padding; one group uses the cache in place.
+
+    Returns (last-token logits [b, v], cache with lengths set, scores [L, b, s] or None).
+    """
+    groups: dict[int, list[int]] = {}
+    for i, p in enumerate(ids):
+        groups.setdefault(_round_up(len(p), PROMPT_BUCKET), []).append(i)
+    lens = jnp.asarray([len(p) for p in ids], jnp.int32)
+    if len(groups) == 1:
+        tokens, _ = pad_prompts(ids)
+        return prefill(params, cfg, tokens, lens, cache, impl, capture)
+    logits = [None] * len(ids)
+    scores = [None] * len(ids)
+    for rows in groups.values():
+        tokens, sub_lens = pad_prompts([ids[r] for r in rows])
+        r = jnp.asarray(rows)
+        sub = KVCache(k=cache.k[:, r], v=cache.v[:, r], lengths=sub_lens)
+        lg, sub, sc = prefill(params, cfg, tokens, sub_lens, sub, impl, capture)
+        cache = _put_rows(cache, sub, r)
+        for j, row in enumerate(rows):
+            logits[row] = lg[j]
+            if capture:
+                scores[row] = sc[:, j]
+    cache = cache.replace(lengths=lens)
+    return (jnp.stack(logits), cache,
+            jnp.stack(scores, axis=1) if capture else None)
 
 
 def generate(
@@ -281,14 +315,14 @@ def generate(
     if steps_per_call < 1:
         raise ValueError("steps_per_call must be >= 1")
     cfg = model.config
-    ids, tokens, lens, cache, impl = start(model, prompts, max_new_tokens, sampling,
-                                           steps_per_call, attn_impl)
+    ids, cache, impl = start(model, prompts, max_new_tokens, sampling, steps_per_call,
+                             attn_impl)
     key = jax.random.PRNGKey(seed)
     key, k0 = jax.random.split(key)
     collector = TokenCollector(len(ids), max_new_tokens, eos_ids(model), on_tokens)
 
     t0 = time.perf_counter()
-    logits, cache, _ = prefill(model.params, cfg, tokens, lens, cache, impl, False)
+    logits, cache, _ = prefill_prompts(model.params, cfg, ids, cache, impl, False)
     tok, _ = sample(k0, logits, sampling)
     active = collector.add([[t] for t in np.asarray(tok)])
     prefill_s = time.perf_counter() - t0

@@ -18,7 +18,7 @@ from vegas_jax.attention import AttnSpec
 from vegas_jax.cache import KVCache
 from vegas_jax.config import ModelConfig
 from vegas_jax.generate import (
-    DecodeClock, GenerationResult, TokenCollector, decode_text, eos_ids, generate, prefill, start,
+    DecodeClock, GenerationResult, TokenCollector, decode_text, eos_ids, generate, prefill_prompts, start,
 )
 from vegas_jax.model import forward
 from vegas_jax.sampling import SamplingParams, accept, sample
@@ -171,8 +171,7 @@ def speculative_generate(
         extra = 2 * gamma + 2 + (-(2 * gamma + 2)) % spec.page_size + spec.page_size
     else:
         extra = 2 * gamma + 2
-    ids, tokens, lens, cache, impl = start(model, prompts, max_new_tokens, sampling, extra,
-                                           attn_impl)
+    ids, cache, impl = start(model, prompts, max_new_tokens, sampling, extra, attn_impl)
     if spec.method == "quest" and cache.max_len % spec.page_size:
         raise ValueError("page_size must divide the cache length (a multiple of 128)")
     batch = len(ids)
@@ -182,9 +181,9 @@ def speculative_generate(
     capture = spec.method in sel.VERIFY_GUIDED
 
     t0 = time.perf_counter()
-    logits, cache, scores = prefill(model.params, cfg, tokens, lens, cache, impl, capture)
+    logits, cache, scores = prefill_prompts(model.params, cfg, ids, cache, impl, capture)
     x0, _ = sample(k0, logits, sampling)
-    state = init_state(spec, cache, x0, key, scores, lens)
+    state = init_state(spec, cache, x0, key, scores, cache.lengths + 0)  # own buffer: state is donated
     active = collector.add([[t] for t in np.asarray(x0)])
     prefill_s = time.perf_counter() - t0
 
