@@ -74,6 +74,59 @@ def _draft_spec(spec: SpecConfig, state: SpecState, pos, impl, cfg, max_len):
     raise ValueError(f"no draft for method {spec.method!r}")
 
 
+def draft_phase(params, cfg: ModelConfig, state: SpecState, key, spec: SpecConfig,
+                sp: SamplingParams, impl: str):
+    """gamma sparse single-token steps (a scan). Each writes its K/V at its true position
+    (the verify rewrites them). Returns (cache, drafts [b, gamma], q [b, gamma, v] or None)."""
+    n = state.cache.lengths
+    max_len = state.cache.max_len
+
+    def step(carry, xs):
+        cache, tok = carry
+        j, k = xs
+        pos = n + j
+        aspec = _draft_spec(spec, state, pos, impl, cfg, max_len)
+        logits, cache, _ = forward(params, cfg, tok[:, None], pos[:, None], cache, aspec)
+        nxt, q = sample(k, logits[:, 0], sp)
+        return (cache, nxt), (nxt, q)
+
+    (cache, _), (drafts, q) = lax.scan(
+        step, (state.cache, state.x0),
+        (jnp.arange(spec.gamma, dtype=jnp.int32), jax.random.split(key, spec.gamma)),
+    )
+    return cache, drafts.T, None if q is None else q.swapaxes(0, 1)
+
+
+def verify_phase(params, cfg: ModelConfig, cache: KVCache, x0, drafts, spec: SpecConfig,
+                 impl: str, capture: bool = True):
+    """Full causal attention over x0, d_1..d_gamma at positions n..n+gamma: rewrites their
+    K/V and, in the same attention call, captures the next selection's scores.
+    Returns (logits [b, gamma + 1, v], cache, scores)."""
+    mode, rows = sel.capture_plan(spec) if capture else ("none", (0,))
+    n = cache.lengths
+    vtok = jnp.concatenate([x0[:, None], drafts], axis=1)
+    vpos = n[:, None] + jnp.arange(spec.gamma + 1, dtype=jnp.int32)
+    vspec = AttnSpec(impl=impl, capture=mode, capture_rows=rows, score=spec.score)
+    return forward(params, cfg, vtok, vpos, cache, vspec)
+
+
+def select_phase(state: SpecState, scores, n, n_acc, spec: SpecConfig) -> SpecState:
+    """The next draft's inputs: top-k of the verify scores over the ranked range 0..n, or
+    Quest's page bounds for the pages this round completed."""
+    max_len = state.cache.max_len
+    if spec.method in sel.VERIFY_GUIDED:
+        if spec.method == "last":
+            scores = sel.pick_rows(scores, n_acc)
+        idx, count = sel.select_topk(scores, n, spec, max_len)
+        return state.replace(sel_idx=idx, sel_count=count, sel_end=n + 1)
+    if spec.method == "quest":
+        width = -(-(spec.gamma + 2) // spec.page_size) + 1
+        lo, hi = sel.update_page_bounds(state.page_min, state.page_max, state.cache.k,
+                                        n // spec.page_size, width, spec.page_size)
+        return state.replace(page_min=lo, page_max=hi)
+    return state
+
+
 @functools.partial(
     jax.jit, static_argnames=("cfg", "spec", "sp", "impl"), donate_argnames=("state",)
 )
@@ -86,51 +139,19 @@ def spec_round(params, cfg: ModelConfig, state: SpecState, active, spec: SpecCon
     """
     gamma = spec.gamma
     n = state.cache.lengths  # [b]
-    max_len = state.cache.max_len
     key, k_draft, k_acc = jax.random.split(state.key, 3)
-
-    def draft_step(carry, xs):
-        cache, tok = carry
-        j, k = xs
-        pos = n + j
-        aspec = _draft_spec(spec, state, pos, impl, cfg, max_len)
-        logits, cache, _ = forward(params, cfg, tok[:, None], pos[:, None], cache, aspec)
-        nxt, q = sample(k, logits[:, 0], sp)
-        return (cache, nxt), (nxt, q)
-
-    (cache, _), (drafts, q) = lax.scan(
-        draft_step, (state.cache, state.x0),
-        (jnp.arange(gamma, dtype=jnp.int32), jax.random.split(k_draft, gamma)),
-    )
-    drafts = drafts.T  # [b, gamma]
-    q = None if q is None else q.swapaxes(0, 1)  # [b, gamma, v]
-
-    # Verify: full causal attention over x0, d_1..d_gamma; rewrites their K/V and, in the
-    # same attention call, captures the next selection's scores.
-    capture, rows = sel.capture_plan(spec)
-    vtok = jnp.concatenate([state.x0[:, None], drafts], axis=1)
-    vpos = n[:, None] + jnp.arange(gamma + 1, dtype=jnp.int32)
-    vspec = AttnSpec(impl=impl, capture=capture, capture_rows=rows, score=spec.score)
-    logits, cache, scores = forward(params, cfg, vtok, vpos, cache, vspec)
+    cache, drafts, q = draft_phase(params, cfg, state, k_draft, spec, sp, impl)
+    logits, cache, scores = verify_phase(params, cfg, cache, state.x0, drafts, spec, impl)
     n_acc, nxt = accept(k_acc, drafts, q, logits, sp)
 
-    n_new = jnp.where(active, n + n_acc + 1, n)
-    x0 = jnp.where(active, nxt, state.x0)
     slot = jnp.arange(gamma + 1)[None, :]
     padded = jnp.concatenate([drafts, jnp.zeros_like(drafts[:, :1])], axis=1)
-    emitted = jnp.where(slot < n_acc[:, None], padded, jnp.where(slot == n_acc[:, None], nxt[:, None], -1))
-
-    new = state.replace(cache=cache.replace(lengths=n_new), x0=x0, key=key)
-    if spec.method in sel.VERIFY_GUIDED:
-        if spec.method == "last":
-            scores = sel.pick_rows(scores, n_acc)
-        idx, count = sel.select_topk(scores, n, spec, max_len)
-        new = new.replace(sel_idx=idx, sel_count=count, sel_end=n + 1)
-    elif spec.method == "quest":
-        width = -(-(gamma + 2) // spec.page_size) + 1
-        lo, hi = sel.update_page_bounds(state.page_min, state.page_max, cache.k,
-                                        n // spec.page_size, width, spec.page_size)
-        new = new.replace(page_min=lo, page_max=hi)
+    emitted = jnp.where(slot < n_acc[:, None], padded,
+                        jnp.where(slot == n_acc[:, None], nxt[:, None], -1))
+    new = state.replace(cache=cache, key=key)
+    new = select_phase(new, scores, n, n_acc, spec)
+    new = new.replace(cache=cache.replace(lengths=jnp.where(active, n + n_acc + 1, n)),
+                      x0=jnp.where(active, nxt, state.x0))
     return new, emitted, n_acc
 
 
