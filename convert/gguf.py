@@ -27,7 +27,9 @@ def _reader(path):
         import gguf
     except ImportError as e:  # pragma: no cover - environment dependent
         raise ImportError(
-            "reading .gguf files needs the `gguf` package: pip install gguf"
+            "reading .gguf files needs the `gguf` package (pure Python): pip install gguf; "
+            "on a machine without a package index, `pip download --no-deps gguf` elsewhere and "
+            "`pip install --no-deps` the wheel there"
         ) from e
     return gguf.GGUFReader(str(path))
 

@@ -42,9 +42,14 @@ def ours(smollm2_gguf):
 
 @pytest.fixture(scope="module")
 def theirs(smollm2_gguf):
+    import importlib.util
+
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if importlib.util.find_spec("accelerate") is None:
+        pytest.fail("transformers' GGUF loading (the reference) needs accelerate: "
+                    "pip install accelerate (part of the test extra)")
     path = Path(smollm2_gguf)
     kw = dict(gguf_file=path.name)
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), dtype=torch.float32, **kw)
