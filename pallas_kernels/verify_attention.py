@@ -122,10 +122,25 @@ def _pow2_at_least(n, lo=16):
     return p
 
 
-def _verify_kernel(layer_ref, q_ref, rowpos_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *cap_refs,
-                   block_k, split_len, s_len, scale, rows, n_cap_tok, g, kh, normalize, base2):
+def _verify_kernel(layer_ref, q_ref, rowpos_ref, k_ref, v_ref, *refs, block_k, split_len,
+                   s_len, scale, rows, kh, normalize, base2, cap):
     """Flash-decoding over one key split. With base2, logits / max / LSE are in log2 units
-    (exp2 is cheaper than exp); the XLA side converts."""
+    (exp2 is cheaper than exp); the XLA side converts.
+
+    cap (static) describes the score capture or is None:
+      ("logits", n_cap, crow): store the raw scaled logits of the n_cap capture rows
+        (token-major: row = u * g + head) into a [b * kh * n_cap (+ crow spare), s_pad]
+        buffer at rows (b * kh + h) * n_cap + r: one contiguous [crow, block_k] window per
+        program and key block, rows >= n_cap masked;
+      ("sum", n_cap, crow, weights): reduce in-kernel over the capture rows (raw logits,
+        masked to each row's causal range) into len(weights) vectors per program, vector i
+        weighting capture row r by weights[i][r]; buffer [b * kh * n_out, s_pad].
+    The capture rows get their own small product (a [crow, d] x [d, block_k] dot), so the
+    store covers only them instead of the whole accumulator tile."""
+    if cap is not None:
+        qc_ref, rpc_ref, o_ref, m_ref, l_ref, cap_ref = refs
+    else:
+        o_ref, m_ref, l_ref = refs
     bi = pl.program_id(0)
     h = pl.program_id(1)
     qb = pl.program_id(2)
@@ -140,14 +155,29 @@ def _verify_kernel(layer_ref, q_ref, rowpos_ref, k_ref, v_ref, o_ref, m_ref, l_r
     end = jnp.minimum(jnp.minimum(start + split_len, jnp.max(rp) + 1), s_len)
     nblk = pl.cdiv(jnp.maximum(end - start, 0), block_k)
     kr = jnp.arange(block_k, dtype=jnp.int32)
-    rr = jnp.arange(rows, dtype=jnp.int32)
-    if cap_refs:
-        # capture buffer row of (b, capture token u, head h, group member gi):
-        # ((b * nu + u) * kh + h) * g + gi  -> the XLA epilogue reduces adjacent axes.
-        (cap_ref,) = cap_refs
-        nu = n_cap_tok
-        cap_base = [((bi * nu + u) * kh + h - u) * g for u in range(nu)]
-        cap_mask = [(rr >= u * g) & (rr < (u + 1) * g) & (qb == 0) for u in range(nu)]
+    if cap is not None:
+        qc = qc_ref[...]  # [crow, d]
+        rpc = rpc_ref[...]  # [crow]
+        n_cap, crow = cap[1], cap[2]
+        rc = jnp.arange(crow, dtype=jnp.int32)
+
+    def capture(k, k0, kidx):
+        qk = _dot(qc, k, trans_b=True) * scale  # [crow, block_k] fp32
+        if cap[0] == "logits":
+            val = jnp.clip(qk, -_LOGIT_CLIP, _LOGIT_CLIP).astype(cap_ref.dtype)
+            pltr.store(cap_ref.at[pl.ds((bi * kh + h) * n_cap, crow), pl.ds(k0, block_k)],
+                       val, mask=(rc < n_cap)[:, None])
+        else:
+            qk = jnp.where(kidx[None, :] <= rpc[:, None], qk, 0.0)
+            weights = cap[3]
+            for i, wts in enumerate(weights):
+                w = jnp.zeros((crow,), jnp.float32)
+                for r, wr in enumerate(wts):
+                    if wr:
+                        w = jnp.where(rc == r, jnp.float32(wr), w)
+                vec = jnp.sum(qk * w[:, None], axis=0)  # [block_k]
+                pltr.store(cap_ref.at[(bi * kh + h) * len(weights) + i, pl.ds(k0, block_k)],
+                           vec)
 
     def body(i, carry):
         o, m, l = carry
@@ -156,12 +186,9 @@ def _verify_kernel(layer_ref, q_ref, rowpos_ref, k_ref, v_ref, o_ref, m_ref, l_r
         inb = kidx < s_len
         k = pltr.load(k_ref.at[layer, bi, h, pl.ds(k0, block_k), :], mask=inb[:, None],
                       other=0.0)
+        if cap is not None:
+            pl.when(qb == 0)(lambda: capture(k, k0, kidx))
         qk = _dot(q, k, trans_b=True) * scale  # [rows, block_k] fp32
-        if cap_refs:
-            qc = jnp.clip(qk, -_LOGIT_CLIP, _LOGIT_CLIP).astype(cap_ref.dtype)
-            for u in range(nu):
-                pltr.store(cap_ref.at[pl.ds(cap_base[u], rows), pl.ds(k0, block_k)], qc,
-                           mask=cap_mask[u][:, None] & inb[None, :])
         vis = kidx[None, :] <= rp[:, None]
         qk = jnp.where(vis, qk, NEG)
         m_new = jnp.maximum(m, qk.max(axis=-1))
@@ -192,17 +219,20 @@ def _whole(shape):
 
 
 def _verify_call(layer, qr, rowpos, k_cache, v_cache, *, rows, n_splits, split_len, block_k,
-                 n_cap_tok, g, cap_dtype, num_warps, num_stages, interpret, out_dtype,
-                 base2=True):
-    """qr [b, kh, nqb*rows, d]; rowpos [b, nqb*rows]. Returns o [b,kh,J,R,d], m, l, cap."""
+                 num_warps, num_stages, interpret, out_dtype, base2=True, cap=None, qc=None,
+                 rpc=None, cap_dtype=jnp.float16):
+    """qr [b, kh, nqb*rows, d]; rowpos [b, nqb*rows]; with cap (see `_verify_kernel`) also
+    qc [b, kh, crow, d] (the capture rows) and rpc [b, crow] (their positions, -1 = pad).
+    Returns o [b,kh,J,R,d], m, l, cap buffer | None."""
     b, kh, rtot, d = qr.shape
     s_len = k_cache.shape[3]
+    s_pad = -(-s_len // block_k) * block_k
     nqb = rtot // rows
     normalize = n_splits == 1
     scale = d**-0.5 * (_LOG2E if base2 else 1.0)
     kernel = functools.partial(
         _verify_kernel, block_k=block_k, split_len=split_len, s_len=s_len, scale=scale,
-        rows=rows, n_cap_tok=n_cap_tok, g=g, kh=kh, normalize=normalize, base2=base2)
+        rows=rows, kh=kh, normalize=normalize, base2=base2, cap=cap)
     out_shape = [
         jax.ShapeDtypeStruct((b, kh, n_splits, rtot, d), out_dtype if normalize else jnp.float32),
         jax.ShapeDtypeStruct((b, kh, n_splits, rtot), jnp.float32),
@@ -213,29 +243,38 @@ def _verify_call(layer, qr, rowpos, k_cache, v_cache, *, rows, n_splits, split_l
         pl.BlockSpec((None, None, None, rows), lambda bi, h, qb, j: (bi, h, j, qb)),
         pl.BlockSpec((None, None, None, rows), lambda bi, h, qb, j: (bi, h, j, qb)),
     ]
-    if n_cap_tok:
-        # [b, nu, kh, g] capture rows, then `rows` spare rows that keep every program's
-        # (masked) store window inside the buffer.
-        out_shape.append(jax.ShapeDtypeStruct((b * n_cap_tok * kh * g + rows, s_len),
-                                              cap_dtype))
-        out_specs.append(_whole(out_shape[-1].shape))
+    in_specs = [
+        _whole((1,)),  # layer
+        pl.BlockSpec((None, None, rows, d), lambda bi, h, qb, j: (bi, h, qb, 0)),
+        pl.BlockSpec((None, rows), lambda bi, h, qb, j: (bi, qb)),
+        _whole(k_cache.shape),  # [L, b, kh, s, d], indexed in the kernel
+        _whole(v_cache.shape),
+    ]
+    args = [jnp.reshape(layer, (1,)).astype(jnp.int32), qr, rowpos, k_cache, v_cache]
+    if cap is not None:
+        crow = cap[2]
+        in_specs += [pl.BlockSpec((None, None, crow, d), lambda bi, h, qb, j: (bi, h, 0, 0)),
+                     pl.BlockSpec((None, crow), lambda bi, h, qb, j: (bi, 0))]
+        args += [qc, rpc.astype(jnp.int32)]
+        if cap[0] == "logits":
+            # [b, kh, n_cap] rows, then `crow` spare rows that keep the last program's
+            # (masked) store window inside the buffer.
+            shape, dt = (b * kh * cap[1] + crow, s_pad), cap_dtype
+        else:
+            shape, dt = (b * kh * len(cap[3]), s_pad), jnp.float32
+        out_shape.append(jax.ShapeDtypeStruct(shape, dt))
+        out_specs.append(_whole(shape))
     res = pl.pallas_call(
         kernel,
         grid=(b, kh, nqb, n_splits),
-        in_specs=[
-            _whole((1,)),  # layer
-            pl.BlockSpec((None, None, rows, d), lambda bi, h, qb, j: (bi, h, qb, 0)),
-            pl.BlockSpec((None, rows), lambda bi, h, qb, j: (bi, qb)),
-            _whole(k_cache.shape),  # [L, b, kh, s, d], indexed in the kernel
-            _whole(v_cache.shape),
-        ],
+        in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
         compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="vegas_verify_attention",
-    )(jnp.reshape(layer, (1,)).astype(jnp.int32), qr, rowpos, k_cache, v_cache)
-    if n_cap_tok:
+    )(*args)
+    if cap is not None:
         return res
     return (*res, None)
 
@@ -321,11 +360,28 @@ def verify_attention(
     n_cap = len(uniq) * g
     if n_cap and len(uniq) > tq:
         raise NotImplementedError("capture rows must fit one query block")
+    nu = len(uniq)
+    cap = qc = rpc = None
+    if n_cap:
+        # the capture rows (the first n_cap rows of query block 0) padded to crow
+        crow = _pow2_at_least(n_cap)
+        qc = jnp.pad(qr[:, :, :n_cap], ((0, 0), (0, 0), (0, crow - n_cap), (0, 0)))
+        rpc = jnp.pad(rp[:, :n_cap], ((0, 0), (0, crow - n_cap)), constant_values=-1)
+        if score == "weight":
+            cap = ("logits", n_cap, crow)
+        else:  # linear in the logits: reduce over heads (and rows) in the kernel
+            mult = [cap_list.count(u) / len(cap_list) for u in uniq]
+            if capture == "mean":
+                weights = (tuple(mult[r // g] if r < n_cap else 0.0 for r in range(crow)),)
+            else:
+                weights = tuple(tuple(1.0 if r // g == i and r < n_cap else 0.0
+                                      for r in range(crow)) for i in range(nu))
+            cap = ("sum", n_cap, crow, weights)
 
-    o, m, l, cap = _verify_call(
+    o, m, l, cbuf = _verify_call(
         layer, qr, rp, k_cache, v_cache, rows=rows, n_splits=n_splits, split_len=split_len,
-        block_k=bk, n_cap_tok=len(uniq), g=g, cap_dtype=cap_dtype, num_warps=nw,
-        num_stages=ns, interpret=interpret, out_dtype=q.dtype, base2=base2)
+        block_k=bk, num_warps=nw, num_stages=ns, interpret=interpret, out_dtype=q.dtype,
+        base2=base2, cap=cap, qc=qc, rpc=rpc, cap_dtype=cap_dtype)
     unit = _LN2 if base2 else 1.0  # kernel logits / LSE are in log2 units with base2
 
     if n_splits == 1:
@@ -345,18 +401,23 @@ def verify_attention(
     if capture == "none":
         return out, None
 
-    nu = len(uniq)
-    logits = cap[: b * nu * kh * g].reshape(b, nu, kh * g, s).astype(jnp.float32)
-    lse_c = lse[:, :, :n_cap].reshape(b, kh, nu, g).transpose(0, 2, 1, 3).reshape(b, nu, kh * g)
     pos_c = q_pos[:, jnp.array(uniq)].astype(jnp.int32)  # [b, nu]
-    valid = jnp.arange(s, dtype=jnp.int32)[None, None, :] <= pos_c[:, :, None]  # [b, nu, s]
-    if score == "weight":
-        per = jnp.exp2(logits - lse_c[..., None]) if base2 else jnp.exp(logits - lse_c[..., None])
-    else:
-        per = logits * unit
-    per = jnp.where(valid[:, :, None, :], per, 0.0).mean(axis=2)  # [b, nu, s]
-    sel = per[:, jnp.array([uniq.index(r) for r in cap_list])]  # [b, r, s]
-    return out, (sel.mean(axis=1) if capture == "mean" else sel)
+    ar = jnp.arange(s, dtype=jnp.int32)
+    if cap[0] == "logits":
+        logits = cbuf[: b * kh * n_cap, :s].reshape(b, kh, nu, g, s).astype(jnp.float32)
+        lse_c = lse[:, :, :n_cap].reshape(b, kh, nu, g)
+        valid = ar[None, None, :] <= pos_c[:, :, None]  # [b, nu, s]
+        ex = jnp.exp2 if base2 else jnp.exp
+        per = jnp.where(valid[:, None, :, None, :], ex(logits - lse_c[..., None]), 0.0)
+        per = per.mean(axis=(1, 3))  # [b, nu, s]
+        sel = per[:, jnp.array([uniq.index(r) for r in cap_list])]  # [b, r, s]
+        return out, (sel.mean(axis=1) if capture == "mean" else sel)
+    n_out = len(cap[3])
+    tot = cbuf.reshape(b, kh, n_out, -1)[..., :s].sum(axis=1) * (unit / (kh * g))
+    if capture == "mean":  # keys past every capture row's position were never written
+        return out, jnp.where(ar[None, :] <= pos_c.max(axis=1)[:, None], tot[:, 0], 0.0)
+    tot = jnp.where(ar[None, None, :] <= pos_c[:, :, None], tot, 0.0)  # [b, nu, s]
+    return out, tot[:, jnp.array([uniq.index(r) for r in cap_list])]
 
 
 def _prefill_cudnn(q, k_cache, v_cache, layer):

@@ -98,26 +98,36 @@ def test_layer_traced_in_scan():
     _check((o1, s1), (o2, s2), jnp.float32)
 
 
-def test_every_output_written():
+@pytest.mark.parametrize("mode", ["logits", "sum"])
+def test_every_output_written(mode):
     """Interpret mode fills pallas outputs with NaN first: every element the combine and
     the epilogue read must have been overwritten by the kernel."""
     L, b, kh, g, d, s, t = 1, 2, 2, 4, 64, 70, 3
     q, kc, vc, q_pos = _inputs(7, L, b, kh, g, d, s, t, jnp.float32, (60, 30))
-    rows, nu = 16, 2
+    rows, nu, crow = 16, 2, 16
+    n_cap = nu * g
     qr = jnp.pad(q.transpose(0, 2, 1, 3, 4).reshape(b, kh, t * g, d),
                  ((0, 0), (0, 0), (0, rows - t * g), (0, 0)))
     rp = jnp.pad(jnp.repeat(q_pos, g, axis=1), ((0, 0), (0, rows - t * g)), constant_values=-1)
-    o, m, l, cap = _verify_call(
+    qc = jnp.pad(qr[:, :, :n_cap], ((0, 0), (0, 0), (0, crow - n_cap), (0, 0)))
+    rpc = jnp.pad(rp[:, :n_cap], ((0, 0), (0, crow - n_cap)), constant_values=-1)
+    cap = (("logits", n_cap, crow) if mode == "logits"
+           else ("sum", n_cap, crow, (tuple([0.5] * n_cap + [0.0] * (crow - n_cap)),)))
+    o, m, l, buf = _verify_call(
         jnp.int32(0), qr, rp, kc, vc, rows=rows, n_splits=3, split_len=32, block_k=16,
-        n_cap_tok=nu, g=g, cap_dtype=jnp.float16, num_warps=4, num_stages=2, interpret=True,
-        out_dtype=q.dtype)
-    assert np.isnan(np.asarray(jnp.full((2,), jnp.nan))).all()  # sanity of the premise
+        num_warps=4, num_stages=2, interpret=True, out_dtype=q.dtype, cap=cap, qc=qc, rpc=rpc)
     for x in (o, m, l):
         assert np.isfinite(np.asarray(x)).all()
-    cap = np.asarray(cap[: b * nu * kh * g], np.float32).reshape(b, nu, kh, g, s)
-    for bi in range(b):
-        for u in range(nu):  # capture tokens = the first nu tokens here
-            assert np.isfinite(cap[bi, u, :, :, : int(q_pos[bi, u]) + 1]).all()
+    buf = np.asarray(buf, np.float32)
+    if mode == "logits":
+        buf = buf[: b * kh * n_cap].reshape(b, kh, nu, g, -1)
+        for bi in range(b):
+            for u in range(nu):  # capture tokens = the first nu tokens here
+                assert np.isfinite(buf[bi, :, u, :, : int(q_pos[bi, u]) + 1]).all()
+    else:
+        buf = buf.reshape(b, kh, -1)
+        for bi in range(b):
+            assert np.isfinite(buf[bi, :, : int(q_pos[bi, :nu].max()) + 1]).all()
 
 
 def _lower_cuda(fn, *args):
