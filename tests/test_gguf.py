@@ -107,9 +107,9 @@ def test_logits_match_transformers(runs):
     for prompt, ids, new, got, ref in runs:
         assert got.shape == ref.shape
         err = np.abs(got - ref).max()
-        # Logits are O(10-30): this is float32 rounding through 30 layers, for the prefill
+        # Logits reach ~40: this is float32 rounding through 30 layers, for the prefill
         # rows and every decode step through our KV cache alike.
-        assert err < 2e-3, f"{prompt!r}: max abs err {err:.2e}"
+        assert err < 1e-3, f"{prompt!r}: max abs err {err:.2e}"  # measured ~1.3e-4
 
 
 def test_greedy_text_matches_transformers(runs, ours, theirs):
