@@ -1,0 +1,241 @@
+"""`python -m vegas_jax.bench`: one workload under every method, one table.
+
+For each method: decode tokens/s, speedup over vanilla, tau (tokens per round),
+per-position acceptance, and the time of one round split into draft / verify / select
+(measured by timing the round's jitted phases alone on a live state). With
+`--profile-only` (e.g. Qwen3-8B shapes with `--random-init`) no text is generated: the
+cache is filled with random entries and only step times are measured, so throughput can be
+projected for a given tau.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from vegas_jax.selection import METHODS, SpecConfig
+
+ALL_METHODS = ("vanilla", "stream", "quest", "last", "vegas-all", "vegas")
+
+
+def _time(fn, reps: int) -> float:
+    """Median seconds of `fn()` over `reps` calls after one warm-up (which compiles)."""
+    jax.block_until_ready(fn())
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(fn())
+        ts.append(time.perf_counter() - t)
+    return float(np.median(ts))
+
+
+def profile_round(model, ids_or_cache, spec: SpecConfig, sampling, impl: str, reps: int = 5):
+    """Milliseconds of one round's phases on a live state: draft (all gamma steps), verify
+    without capture, verify with capture, selection, the whole jitted round, and one
+    vanilla decode step. `ids_or_cache` is a list of prompts (token ids) to prefill, or a
+    ready KVCache (synthetic, for --profile-only)."""
+    from vegas_jax import selection as sel
+    from vegas_jax import speculative as S
+    from vegas_jax.generate import decode_steps, prefill_prompts, start
+
+    cfg, params = model.config, model.params
+    if isinstance(ids_or_cache, list):
+        ids, cache, impl = start(model, ids_or_cache, 64, sampling, 2 * spec.gamma + 2, impl)
+        logits, cache, scores = prefill_prompts(params, cfg, ids, cache, impl,
+                                                spec.method in sel.VERIFY_GUIDED)
+    else:
+        cache = ids_or_cache
+        b, s = cache.batch, cache.max_len
+        logits = jnp.zeros((b, cfg.vocab_size), jnp.float32)
+        scores = jax.random.uniform(jax.random.PRNGKey(1), (cfg.num_layers, b, s))
+    x0 = jnp.argmax(logits, -1).astype(jnp.int32)
+    state = S.init_state(spec, cache, x0, jax.random.PRNGKey(0), scores, cache.lengths + 0)
+    key = jax.random.PRNGKey(2)
+    draft = jax.jit(lambda st, spec, sp, impl: S.draft_phase(params, cfg, st, key, spec, sp, impl),
+                    static_argnames=("spec", "sp", "impl"))
+    verify = jax.jit(lambda c, x, d, spec, impl, capture: S.verify_phase(
+        params, cfg, c, x, d, spec, impl, capture), static_argnames=("spec", "impl", "capture"))
+    n = state.cache.lengths
+    out = {}
+    out["draft_ms"] = _time(lambda: draft(state, spec, sampling, impl), reps) * 1e3
+    _, drafts, _ = draft(state, spec, sampling, impl)
+    out["verify_ms"] = _time(lambda: verify(state.cache, x0, drafts, spec, impl, False), reps) * 1e3
+    out["verify_capture_ms"] = _time(
+        lambda: verify(state.cache, x0, drafts, spec, impl, True), reps) * 1e3
+    _, _, sc = verify(state.cache, x0, drafts, spec, impl, True)
+    select = jax.jit(lambda st, sc: S.select_phase(st, sc, n, jnp.zeros_like(n), spec))
+    out["select_ms"] = _time(lambda: select(state, sc), reps) * 1e3
+    out["selection_overhead_ms"] = out["verify_capture_ms"] - out["verify_ms"] + out["select_ms"]
+    active = jnp.ones_like(n, bool)
+    step = jax.jit(lambda c, t: decode_steps(params, cfg, c, t, active, key, sampling, impl, 8))
+    out["vanilla_step_ms"] = _time(lambda: step(state.cache, x0), reps) * 1e3 / 8
+    st = state
+    times = []
+    for i in range(reps + 1):  # the round donates its state: chain them
+        t = time.perf_counter()
+        st, em, _ = S.spec_round(params, cfg, st, active, spec, sampling, impl)
+        jax.block_until_ready(em)
+        if i:
+            times.append(time.perf_counter() - t)
+    out["round_ms"] = float(np.median(times)) * 1e3
+    return out
+
+
+def build_parser():
+    p = argparse.ArgumentParser(
+        prog="python -m vegas_jax.bench",
+        description="Run one decoding workload under several methods and print one table.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default=None, help="registered model name (default: the embedded SmolLM2)")
+    p.add_argument("--checkpoint", default=None, help="HF / orbax directory or .gguf file")
+    p.add_argument("--random-init", action="store_true",
+                   help="random full-size weights (timing only; implies --profile-only)")
+    p.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32"),
+                   help="auto = bf16 on GPU, fp32 on CPU")
+    p.add_argument("--methods", default=",".join(ALL_METHODS),
+                   help="comma-separated subset of " + ",".join(ALL_METHODS))
+    p.add_argument("--batch", type=int, default=4, help="sequences decoded together")
+    p.add_argument("--context", type=int, default=4096, help="prompt length in tokens")
+    p.add_argument("--new-tokens", type=int, default=256, help="tokens generated per sequence")
+    p.add_argument("--kind", default="prose", choices=("prose", "code"),
+                   help="real text the prompts are cut from (vegas_jax.workloads)")
+    p.add_argument("--no-chat", action="store_true", help="raw text continuation, no chat template")
+    p.add_argument("--gamma", type=int, default=6, help="draft tokens per round")
+    p.add_argument("--sparsity", type=float, default=0.07, help="draft budget fraction")
+    p.add_argument("--min-tokens", type=int, default=256, help="draft budget floor")
+    p.add_argument("--score", default="weight", choices=("weight", "logit"))
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--attn-impl", default=None, choices=("pallas", "xla"))
+    p.add_argument("--profile-reps", type=int, default=5,
+                   help="timed repetitions of each round phase (0: skip the phase split)")
+    p.add_argument("--profile-only", action="store_true",
+                   help="only time the phases on a synthetic cache of --context tokens")
+    p.add_argument("--project-tau", type=float, default=None,
+                   help="with --profile-only: project tokens/s at this tau")
+    p.add_argument("--json", action="store_true", help="print the rows as JSON")
+    return p
+
+
+def _workload(model, args):
+    from vegas_jax.workloads import long_prompts
+
+    if model.tokenizer is None:
+        rng = np.random.default_rng(args.seed)
+        return [rng.integers(0, model.config.vocab_size, args.context).tolist()
+                for _ in range(args.batch)]
+    # Different documents per row; at most a few distinct ones (the source is finite).
+    texts = long_prompts(model.tokenizer, [args.context] * min(args.batch, 8), args.kind,
+                         chat=not args.no_chat)
+    ids = [model.tokenizer.encode(t) for t in texts]
+    return [ids[i % len(ids)] for i in range(args.batch)]
+
+
+def run(args) -> list[dict]:
+    from tqdm import tqdm
+
+    from vegas_jax.cache import init_cache
+    from vegas_jax.loading import load_model
+    from vegas_jax.sampling import SamplingParams
+    from vegas_jax.speculative import speculative_generate
+
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    for m in methods:
+        if m not in METHODS:
+            raise ValueError(f"unknown method {m!r}; choose from {', '.join(ALL_METHODS)}")
+    if args.batch < 1 or args.context < 1 or args.new_tokens < 1:
+        raise ValueError("--batch, --context and --new-tokens must be >= 1")
+    sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p)
+    dtype = args.dtype
+    if dtype == "auto":
+        dtype = "bf16" if jax.default_backend() == "gpu" else "fp32"
+    dt = jnp.bfloat16 if dtype == "bf16" else jnp.float32
+    model = load_model(args.model, checkpoint=args.checkpoint, random_init=args.random_init,
+                       dtype=dt)
+    profile_only = args.profile_only or args.random_init
+    rows = []
+    base = None
+    if profile_only:
+        cache = init_cache(model.config, args.batch, args.context + 4 * args.gamma + 128, dt)
+        k = jax.random.normal(jax.random.PRNGKey(3), cache.k.shape, dt)
+        cache = cache.replace(k=k, v=k[..., ::-1], lengths=jnp.full((args.batch,), args.context, jnp.int32))
+    else:
+        prompts = _workload(model, args)
+    for m in tqdm(methods, desc="methods", file=sys.stderr, disable=args.json):
+        spec = SpecConfig(method=m if m != "vanilla" else "vegas", gamma=args.gamma,
+                          sparsity=args.sparsity, min_tokens=args.min_tokens, score=args.score)
+        row = {"method": m}
+        if not profile_only:
+            res = speculative_generate(model, prompts, args.new_tokens,
+                                       dataclasses.replace(spec, method=m), sampling,
+                                       seed=args.seed, attn_impl=args.attn_impl)
+            st = res.stats
+            row.update(tok_s=st["decode_tokens_per_s"], tau=st["tau"],
+                       acceptance=st["acceptance_by_position"], rounds=st["rounds"],
+                       prefill_s=st["prefill_s"], attn_impl=st["attn_impl"])
+            if m == "vanilla":
+                base = st["decode_tokens_per_s"]
+        if m != "vanilla" and args.profile_reps > 0:
+            source = cache if profile_only else prompts
+            row.update(profile_round(model, source, spec, sampling, args.attn_impl,
+                                     args.profile_reps))
+            if profile_only:
+                cache = jax.tree.map(lambda x: x, cache)  # fresh buffers for the next method
+            if profile_only and args.project_tau:
+                row["projected_tok_s"] = args.batch * args.project_tau / row["round_ms"] * 1e3
+                row["projected_vanilla_tok_s"] = args.batch / row["vanilla_step_ms"] * 1e3
+        rows.append(row)
+    for r in rows:
+        if base and "tok_s" in r:
+            r["speedup"] = r["tok_s"] / base
+    return rows
+
+
+def format_table(rows, gamma) -> str:
+    head = ["method", "tok/s", "speedup", "tau", "acc@1..gamma", "round ms", "draft ms",
+            "verify ms", "capture+select ms", "vanilla step ms"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        def f(key, fmt="{:.1f}"):
+            return fmt.format(r[key]) if key in r and r[key] is not None else ""
+        acc = " ".join(f"{a:.2f}" for a in r.get("acceptance", [])) if r.get("acceptance") else ""
+        lines.append("| " + " | ".join([
+            r["method"], f("tok_s"), f("speedup", "{:.2f}x"), f("tau", "{:.2f}"), acc,
+            f("round_ms", "{:.2f}"), f("draft_ms", "{:.2f}"), f("verify_ms", "{:.2f}"),
+            f("selection_overhead_ms", "{:.2f}"), f("vanilla_step_ms", "{:.2f}")]) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        rows = run(args)
+    except (ValueError, TypeError, FileNotFoundError, MemoryError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({"args": vars(args), "rows": rows}))
+    else:
+        print(f"# {jax.devices()[0].device_kind}, batch {args.batch}, context {args.context}, "
+              f"new {args.new_tokens}, gamma {args.gamma}, sparsity {args.sparsity}, "
+              f"T={args.temperature}")
+        print(format_table(rows, args.gamma))
+        for r in rows:
+            if "projected_tok_s" in r:
+                print(f"{r['method']}: projected {r['projected_tok_s']:.1f} tok/s at tau "
+                      f"{args.project_tau} vs vanilla {r['projected_vanilla_tok_s']:.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
