@@ -23,3 +23,63 @@ def test_blockwise_topk_fallback():
     x = x.at[:, :300].add(10.0)
     _, i = blockwise_topk(x, 280, block=512)
     assert set(np.asarray(i[0]).tolist()) == set(np.asarray(jax.lax.top_k(x, 280)[1][0]).tolist())
+
+
+from pallas_kernels.topk import select_topk_fast, sortable_keys  # noqa: E402
+
+
+def _check_topk(x, idx, k):
+    """idx holds k distinct positions whose values are the k largest (multiset equality
+    with lax.top_k's values: exact up to ties)."""
+    x = np.asarray(x).reshape(-1, x.shape[-1])
+    idx = np.asarray(idx).reshape(-1, k)
+    ref = np.asarray(jax.lax.top_k(jnp.asarray(x), k)[0])
+    for r in range(x.shape[0]):
+        assert len(set(idx[r].tolist())) == k
+        assert ((0 <= idx[r]) & (idx[r] < x.shape[1])).all()
+        np.testing.assert_array_equal(np.sort(x[r, idx[r]]), np.sort(ref[r]))
+
+
+def test_sortable_keys_order():
+    v = jnp.array([-jnp.inf, -3.0, -1e-30, -0.0, 0.0, 1e-30, 2.0, jnp.inf], jnp.float32)
+    k = np.asarray(sortable_keys(v)).astype(np.int64)
+    assert (np.diff(k) > 0).all()
+
+
+@pytest.mark.parametrize("how", ["sep", "minor", "major"])
+@pytest.mark.parametrize("radix_bits", [4, 8])
+def test_select_topk_fast_random(how, radix_bits):
+    x = jax.random.normal(jax.random.PRNGKey(1), (3, 2, 700))  # [L, b, s], one call
+    k = 49
+    idx = select_topk_fast(x, k, radix_bits=radix_bits, count_impl=how)
+    assert idx.shape == (3, 2, k) and idx.dtype == jnp.int32
+    _check_topk(x, idx, k)
+    # distinct values: the index set equals lax.top_k's exactly
+    ri = np.asarray(jax.lax.top_k(x, k)[1])
+    for a, b in zip(np.asarray(idx).reshape(-1, k), ri.reshape(-1, k)):
+        assert set(a.tolist()) == set(b.tolist())
+
+
+def test_select_topk_fast_masked_ties_and_short_rows():
+    """-inf (masked) positions, rows with fewer finite entries than k, heavy ties, k = s
+    and k = 1, a length that is no multiple of the 128-block."""
+    s, k = 333, 40
+    x = jnp.round(jax.random.uniform(jax.random.PRNGKey(2), (5, s)) * 8) / 8  # ties
+    ranked = jnp.array([s, 200, 25, 0, 1])  # row r keeps positions < ranked[r]
+    x = jnp.where(jnp.arange(s)[None, :] < ranked[:, None], x, -jnp.inf)
+    x = x.at[4, 7].set(-0.0)
+    idx = jax.jit(lambda x: select_topk_fast(x, k))(x)
+    _check_topk(x, idx, k)
+    got = np.asarray(idx)
+    assert set(range(25)) <= set(got[2].tolist())  # all finite entries of a short row
+    for kk in (1, s):
+        _check_topk(x, select_topk_fast(x, kk), kk)
+    # all equal: the first k positions
+    z = jnp.zeros((2, 300))
+    assert sorted(np.asarray(select_topk_fast(z, 17))[0].tolist()) == list(range(17))
+
+
+def test_select_topk_fast_lowers_for_cuda():
+    sd = jax.ShapeDtypeStruct
+    jax.jit(lambda x: select_topk_fast(x, 574)).trace(sd((3, 4, 8192), jnp.float32)).lower(
+        lowering_platforms=("cuda",))
