@@ -26,7 +26,7 @@ import numpy as np
 from jax import lax
 
 from pallas_kernels.sparse_attention import sparse_attention, sparse_attention_reference
-from pallas_kernels.topk import blockwise_topk, packed_topk, sort_topk
+from pallas_kernels.topk import blockwise_topk, packed_topk, select_topk_fast, sort_topk
 from pallas_kernels.verify_attention import verify_attention, verify_attention_reference
 
 T0 = time.time()
@@ -43,6 +43,8 @@ GIB = 1024**3 if not SMOKE else 1024**2
 # BENCH_FAST=1: second-pass mode (multi-shape tuning sweep, pallas tables, top-k at 32K/128K;
 # no XLA / cuDNN / prefill, which the full run already measured)
 FAST = os.environ.get("BENCH_FAST") == "1"
+# BENCH_FOCUS=1: only the capture-overhead and selection measurements (issue 4 follow-up)
+FOCUS = os.environ.get("BENCH_FOCUS") == "1"
 
 
 def log(*a):
@@ -454,5 +456,140 @@ def table(ceil_bw, best):
     log(f"total {time.time() - T0:.0f} s")
 
 
+# ---------------------------------------------------------------- focused mode
+def focus_correctness():
+    ks = jax.random.split(jax.random.PRNGKey(1), 4)
+    L, b, kh, g, d, s = 2, 3, 8, 4, 128, (4099 if not SMOKE else 300)
+    kc = jax.random.normal(ks[0], (L, b, kh, s, d), jnp.bfloat16)
+    vc = jax.random.normal(ks[1], (L, b, kh, s, d), jnp.bfloat16)
+    ok = True
+    for t, cap, rows, score in [(7, "mean", (0, 6), "weight"), (7, "mean", (0, 6), "logit"),
+                                (9, "rows", (0, 8), "logit"), (5, "rows", (0, 4, 4), "weight"),
+                                (1, "mean", (0,), "weight"), (1, "none", (0,), "weight")]:
+        q = jax.random.normal(ks[2], (b, t, kh, g, d), jnp.bfloat16) * 2
+        qp = jnp.array([[10], [s // 2], [s - t]], jnp.int32) + jnp.arange(t, dtype=jnp.int32)
+        kw = dict(capture=cap, capture_rows=rows, score=score)
+        o1, s1 = jax.jit(functools.partial(verify_attention, **kw))(q, kc, vc, jnp.int32(1), qp)
+        o2, s2 = jax.jit(functools.partial(verify_attention_reference, **kw))(
+            q, kc, vc, jnp.int32(1), qp)
+        e_o = rel(o1, o2)
+        e_s = None if s1 is None else rel(s1, s2)
+        good = e_o < 1e-2 and (e_s is None or e_s < 1e-2)
+        ok &= bool(good)
+        record(kind="check", op="verify", t=t, capture=cap, score=score, err_out=e_o,
+               err_score=e_s, ok=bool(good))
+    t = 700 if not SMOKE else 100
+    q = jax.random.normal(ks[3], (2, t, kh, g, d), jnp.bfloat16)
+    kc2, vc2 = kc[:, :2, :, :t + 50], vc[:, :2, :, :t + 50]
+    qp = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (2, t))
+    kw = dict(capture="mean", capture_rows=(t - 1,))
+    o2, s2 = jax.jit(functools.partial(verify_attention_reference, **kw))(q, kc2, vc2, jnp.int32(0), qp)
+    o1, s1 = jax.jit(functools.partial(verify_attention, **kw))(q, kc2, vc2, jnp.int32(0), qp)
+    good = rel(o1, o2) < 1e-2 and rel(s1, s2) < 1e-2
+    ok &= bool(good)
+    record(kind="check", op="prefill", t=t, err_out=rel(o1, o2), err_score=rel(s1, s2), ok=bool(good))
+    return ok
+
+
+def focus_main():
+    log("device:", jax.devices()[0].device_kind, "jax", jax.__version__, "FOCUS")
+    ceil_bw = read_ceiling()
+    log(f"read ceiling {ceil_bw / 1e12:.2f} TB/s")
+    ok = focus_correctness()
+    log("correctness:", "PASS" if ok else "FAIL")
+
+    # selection: one call over all layers, k = 7 %
+    shapes = [(36, 4, 131072), (36, 16, 32768), (30, 64, 8192)] if not SMOKE else [(3, 2, 1000)]
+    for L, b, s in shapes:
+        if left() < 60:
+            log("time budget: skipping topk", L, b, s)
+            continue
+        k = int(math.ceil(0.07 * s))
+        key = jax.random.PRNGKey(L * b)
+        x = jnp.exp(2.0 * jax.random.normal(key, (L, b, s), jnp.float32)) / s
+        # ranked range shorter than s (masked with -inf like select_topk); one short row
+        r_end = jnp.full((b,), s - 77, jnp.int32).at[0].set(k // 2)
+        x = jnp.where(jnp.arange(s)[None, None, :] <= r_end[None, :, None], x, -jnp.inf)
+        nt = 5 if not SMOKE else 2
+        row = dict(kind="topk_all", L=L, B=b, S=s, k=k)
+        ref_v = jnp.sort(lax.top_k(x, k)[0], axis=-1)
+        meths = {"top_k": lambda x: lax.top_k(x, k)[1],
+                 "fast_sep": lambda x: select_topk_fast(x, k, count_impl="sep"),
+                 "fast_minor": lambda x: select_topk_fast(x, k, count_impl="minor"),
+                 "fast_major": lambda x: select_topk_fast(x, k, count_impl="major"),
+                 "fast_sep2": lambda x: select_topk_fast(x, k, radix_bits=2, count_impl="sep")}
+        for name, f in meths.items():
+            if left() < 30:
+                break
+            try:
+                run = jax.jit(lambda x, f=f: lax.fori_loop(
+                    0, nt, lambda i, a: a + f(x + i.astype(jnp.float32) * 1e-38).sum(), 0))
+                tt = timeit(run, x, n=nt)
+                idx = jax.jit(f)(x)
+                got_v = jnp.sort(jnp.take_along_axis(x, idx, axis=-1), axis=-1)
+                distinct = jnp.all(jnp.diff(jnp.sort(idx, axis=-1), axis=-1) > 0)
+                same = bool(jnp.all(got_v == ref_v)) and bool(distinct)
+                row[f"{name}_us"] = tt * 1e6
+                row[f"{name}_exact"] = same
+            except Exception as e:  # noqa: BLE001
+                row[f"{name}_err"] = repr(e)[:200]
+        record(**row)
+        del x
+
+    # capture overhead: none vs mean(weight) vs mean(logit), gamma 6 (8 at two shapes)
+    cfgs = [(4, 131072, (6, 8)), (16, 32768, (6, 8)), (1, 131072, (6,)), (16, 131072, (6,)),
+            (4, 32768, (6,)), (1, 32768, (6,))]
+    if SMOKE:
+        cfgs = [(1, 512, (6,))]
+    for b, s, gams in cfgs:
+        if left() < 35:
+            log("time budget: skipping verify", b, s)
+            continue
+        kc, vc, L, per_layer = make_cache(b, s)
+        n = reps_for(per_layer, 0.8 * ceil_bw)
+        for gamma in gams:
+            row = dict(kind="verify_focus", B=b, S=s, gamma=gamma)
+            for name, cap, tune in [("none", "none", {}), ("weight", "mean", {}),
+                                    ("weight_gfirst", "mean", dict(cap_reduce="g_first")),
+                                    ("logit", "mean", dict(score="logit"))]:
+                if name == "weight_gfirst" and (gamma != 6 or b == 1):
+                    continue
+                try:
+                    tt = verify_loop(b, s, gamma + 1, L, kc, vc, per_layer, "pallas", cap, n,
+                                     tune)
+                    row[f"{name}_us"] = tt * 1e6
+                    row[f"{name}_frac"] = per_layer / tt / ceil_bw
+                except Exception as e:  # noqa: BLE001
+                    row[f"{name}_err"] = repr(e)[:200]
+            record(**row)
+        del kc, vc
+
+    json.dump(dict(ceiling_tbps=ceil_bw / 1e12, results=RESULTS),
+              open(os.path.join(OUT, "bench.json"), "w"), indent=1)
+    f = lambda v, p=1: "-" if v is None else f"{v:.{p}f}"  # noqa: E731
+    log(f"\n== FOCUS  read ceiling {ceil_bw / 1e12:.2f} TB/s")
+    log("verify: us (% ceiling); overhead vs no capture")
+    for r in RESULTS:
+        if r["kind"] != "verify_focus":
+            continue
+        a = r.get("none_us")
+        parts = []
+        for nm in ("none", "weight", "weight_gfirst", "logit"):
+            v = r.get(f"{nm}_us")
+            if v is None:
+                parts.append(f"{nm} {r.get(nm + '_err', '-')[:60]}")
+                continue
+            o = "" if nm == "none" or a is None else f" +{100 * (v / a - 1):.1f}%"
+            parts.append(f"{nm} {v:.1f} ({100 * r[nm + '_frac']:.0f}%){o}")
+        log(f"  B={r['B']:>2} S={r['S']:>6} g={r['gamma']}: " + " | ".join(parts))
+    log("selection, one call for all layers, k = 7 % (us; exact = same values as lax.top_k)")
+    for r in RESULTS:
+        if r["kind"] == "topk_all":
+            log(f"  [{r['L']},{r['B']},{r['S']}] k={r['k']}: " + "  ".join(
+                f"{m} {f(r.get(m + '_us'))} ({r.get(m + '_exact', r.get(m + '_err', '-'))})"
+                for m in ("top_k", "fast_sep", "fast_minor", "fast_major", "fast_sep2")))
+    log(f"total {time.time() - T0:.0f} s")
+
+
 if __name__ == "__main__":
-    main()
+    focus_main() if FOCUS else main()

@@ -300,7 +300,7 @@ def verify_attention(
     q, k_cache, v_cache, layer, q_pos, *, capture="none", capture_rows=(0,), score="weight",
     interpret=False, block_k=None, num_warps=None, num_stages=None, max_rows=64,
     row_block=128, target_programs=528, min_split=512, cap_dtype=jnp.float16,
-    prefill_impl="pallas", base2=True,
+    prefill_impl="pallas", base2=True, cap_reduce="joint",
 ):
     """Pallas (Triton) op with exactly `verify_attention_reference`'s semantics.
 
@@ -308,7 +308,8 @@ def verify_attention(
     num_warps, num_stages (Triton), max_rows (largest t*g handled as one query block),
     row_block (rows per program in prefill), target_programs (grid size aimed at when
     choosing the number of key splits), min_split (shortest key split), cap_dtype (dtype of
-    the captured logits), prefill_impl ("pallas" | "cudnn", the latter only for prompts that
+    the captured logits, score="weight"), cap_reduce ("joint" | "g_first": how the XLA
+    epilogue reduces the captured weights over heads), prefill_impl ("pallas" | "cudnn", the latter only for prompts that
     start at position 0: q_pos[b, i] == i).
     """
     if capture not in CAPTURE_MODES:
@@ -409,7 +410,10 @@ def verify_attention(
         valid = ar[None, None, :] <= pos_c[:, :, None]  # [b, nu, s]
         ex = jnp.exp2 if base2 else jnp.exp
         per = jnp.where(valid[:, None, :, None, :], ex(logits - lse_c[..., None]), 0.0)
-        per = per.mean(axis=(1, 3))  # [b, nu, s]
+        if cap_reduce == "joint":
+            per = per.mean(axis=(1, 3))  # [b, nu, s]
+        else:  # "g_first": two reductions over adjacent-to-s axes
+            per = per.sum(axis=3).sum(axis=1) * (1.0 / (kh * g))
         sel = per[:, jnp.array([uniq.index(r) for r in cap_list])]  # [b, r, s]
         return out, (sel.mean(axis=1) if capture == "mean" else sel)
     n_out = len(cap[3])
