@@ -111,6 +111,62 @@ def read_config(path: str | Path, name: str | None = None) -> ModelConfig:
     return dataclasses.replace(cfg, **updates)
 
 
+def layer_names(cfg: ModelConfig) -> dict[str, tuple[str, bool]]:
+    """Our LayerParams field -> (HF tensor name inside a layer, stored transposed?).
+
+    HF `nn.Linear` weights are [out, in]; ours are [in, out]."""
+    names = {
+        "attn_norm": ("input_layernorm.weight", False),
+        "wq": ("self_attn.q_proj.weight", True),
+        "wk": ("self_attn.k_proj.weight", True),
+        "wv": ("self_attn.v_proj.weight", True),
+        "wo": ("self_attn.o_proj.weight", True),
+        "mlp_norm": ("post_attention_layernorm.weight", False),
+        "w_gate": ("mlp.gate_proj.weight", True),
+        "w_up": ("mlp.up_proj.weight", True),
+        "w_down": ("mlp.down_proj.weight", True),
+    }
+    if cfg.qk_norm:
+        names["q_norm"] = ("self_attn.q_norm.weight", False)
+        names["k_norm"] = ("self_attn.k_norm.weight", False)
+    return names
+
+
+def to_hf_state_dict(cfg: ModelConfig, params: Params) -> dict[str, np.ndarray]:
+    """The inverse of `load_hf_checkpoint`: HF tensor names -> numpy arrays (for running
+    the same weights through transformers, e.g. as a benchmark reference)."""
+    out = {"model.embed_tokens.weight": np.asarray(params.embed),
+           "model.norm.weight": np.asarray(params.final_norm)}
+    for ours, (hf, transposed) in layer_names(cfg).items():
+        stacked = np.asarray(getattr(params.layers, ours))
+        for i in range(cfg.num_layers):
+            out[f"model.layers.{i}.{hf}"] = stacked[i].T if transposed else stacked[i]
+    out["lm_head.weight"] = np.asarray(params.embed if params.lm_head is None else params.lm_head.T)
+    return out
+
+
+def to_hf_config(cfg: ModelConfig) -> dict:
+    """A transformers config dict for `cfg` (Llama or Qwen3)."""
+    d = {
+        "model_type": cfg.arch, "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim, "rms_norm_eps": cfg.rms_norm_eps,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "tie_word_embeddings": cfg.tie_embeddings, "rope_theta": cfg.rope_theta,
+        "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": list(cfg.eos_token_ids) if cfg.eos_token_ids else None,
+    }
+    rs = cfg.rope_scaling
+    if rs is not None:
+        d["rope_scaling"] = {"rope_type": rs.kind, "factor": rs.factor,
+                             "original_max_position_embeddings": rs.original_max_position}
+        if rs.kind == "llama3":
+            d["rope_scaling"].update(low_freq_factor=rs.low_freq_factor,
+                                     high_freq_factor=rs.high_freq_factor)
+    return d
+
+
 def load_hf_checkpoint(
     path: str | Path, dtype="bfloat16", name: str | None = None, progress: bool | None = None
 ) -> tuple[ModelConfig, Params]:
@@ -123,26 +179,12 @@ def load_hf_checkpoint(
     if progress is None:
         progress = cfg.num_params() > 1_000_000_000
 
-    def t(name):  # HF [out, in] -> ours [in, out]
-        return st.get(name).T
-
     def layer(i: int):
         p = f"{prefix}layers.{i}."
-        out = {
-            "attn_norm": st.get(p + "input_layernorm.weight"),
-            "wq": t(p + "self_attn.q_proj.weight"),
-            "wk": t(p + "self_attn.k_proj.weight"),
-            "wv": t(p + "self_attn.v_proj.weight"),
-            "wo": t(p + "self_attn.o_proj.weight"),
-            "mlp_norm": st.get(p + "post_attention_layernorm.weight"),
-            "w_gate": t(p + "mlp.gate_proj.weight"),
-            "w_up": t(p + "mlp.up_proj.weight"),
-            "w_down": t(p + "mlp.down_proj.weight"),
+        return {
+            ours: st.get(p + hf).T if transposed else st.get(p + hf)
+            for ours, (hf, transposed) in layer_names(cfg).items()
         }
-        if cfg.qk_norm:
-            out["q_norm"] = st.get(p + "self_attn.q_norm.weight")
-            out["k_norm"] = st.get(p + "self_attn.k_norm.weight")
-        return out
 
     layers = stack_layers(cfg, layer, dt, progress=progress, desc=f"{path.name} layers")
     lm_head = None
@@ -151,7 +193,7 @@ def load_hf_checkpoint(
             raise ValueError(
                 f"{path}: config.json says tie_word_embeddings=false but there is no lm_head.weight"
             )
-        lm_head = t("lm_head.weight")
+        lm_head = st.get("lm_head.weight").T
     params = assemble(
         cfg, st.get(prefix + "embed_tokens.weight"), layers, st.get(prefix + "norm.weight"),
         lm_head, dt,

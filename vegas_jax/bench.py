@@ -58,24 +58,26 @@ def profile_round(model, ids_or_cache, spec: SpecConfig, sampling, impl: str, re
     x0 = jnp.argmax(logits, -1).astype(jnp.int32)
     state = S.init_state(spec, cache, x0, jax.random.PRNGKey(0), scores, cache.lengths + 0)
     key = jax.random.PRNGKey(2)
-    draft = jax.jit(lambda st, spec, sp, impl: S.draft_phase(params, cfg, st, key, spec, sp, impl),
+    # Weights go in as arguments: a jitted closure would bake them in as constants.
+    draft = jax.jit(lambda p, st, spec, sp, impl: S.draft_phase(p, cfg, st, key, spec, sp, impl),
                     static_argnames=("spec", "sp", "impl"))
-    verify = jax.jit(lambda c, x, d, spec, impl, capture: S.verify_phase(
-        params, cfg, c, x, d, spec, impl, capture), static_argnames=("spec", "impl", "capture"))
+    verify = jax.jit(lambda p, c, x, d, spec, impl, capture: S.verify_phase(
+        p, cfg, c, x, d, spec, impl, capture), static_argnames=("spec", "impl", "capture"))
     n = state.cache.lengths
     out = {}
-    out["draft_ms"] = _time(lambda: draft(state, spec, sampling, impl), reps) * 1e3
-    _, drafts, _ = draft(state, spec, sampling, impl)
-    out["verify_ms"] = _time(lambda: verify(state.cache, x0, drafts, spec, impl, False), reps) * 1e3
+    out["draft_ms"] = _time(lambda: draft(params, state, spec, sampling, impl), reps) * 1e3
+    _, drafts, _ = draft(params, state, spec, sampling, impl)
+    out["verify_ms"] = _time(
+        lambda: verify(params, state.cache, x0, drafts, spec, impl, False), reps) * 1e3
     out["verify_capture_ms"] = _time(
-        lambda: verify(state.cache, x0, drafts, spec, impl, True), reps) * 1e3
-    _, _, sc = verify(state.cache, x0, drafts, spec, impl, True)
+        lambda: verify(params, state.cache, x0, drafts, spec, impl, True), reps) * 1e3
+    _, _, sc = verify(params, state.cache, x0, drafts, spec, impl, True)
     select = jax.jit(lambda st, sc: S.select_phase(st, sc, n, jnp.zeros_like(n), spec))
     out["select_ms"] = _time(lambda: select(state, sc), reps) * 1e3
     out["selection_overhead_ms"] = out["verify_capture_ms"] - out["verify_ms"] + out["select_ms"]
     active = jnp.ones_like(n, bool)
-    step = jax.jit(lambda c, t: decode_steps(params, cfg, c, t, active, key, sampling, impl, 8))
-    out["vanilla_step_ms"] = _time(lambda: step(state.cache, x0), reps) * 1e3 / 8
+    step = jax.jit(lambda p, c, t: decode_steps(p, cfg, c, t, active, key, sampling, impl, 8))
+    out["vanilla_step_ms"] = _time(lambda: step(params, state.cache, x0), reps) * 1e3 / 8
     st = state
     times = []
     for i in range(reps + 1):  # the round donates its state: chain them
@@ -86,6 +88,76 @@ def profile_round(model, ids_or_cache, spec: SpecConfig, sampling, impl: str, re
             times.append(time.perf_counter() - t)
     out["round_ms"] = float(np.median(times)) * 1e3
     return out
+
+
+def hf_reference(model, prompts, new_tokens: int, sampling, prompt_lookup: bool = False) -> dict:
+    """The same weights and prompts through Hugging Face transformers on PyTorch (static KV
+    cache; optionally prompt-lookup decoding): an outside reference for tokens/s.
+    Decode throughput = extra tokens / extra time between a 1-token and an N-token call."""
+    import torch
+    import transformers
+
+    from convert.hf import to_hf_config, to_hf_state_dict
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    hf_cfg = to_hf_config(model.config)
+    config = transformers.AutoConfig.for_model(**hf_cfg)
+    dtype = torch.bfloat16 if jax.tree.leaves(model.params)[0].dtype == jnp.bfloat16 else torch.float32
+    tm = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=dtype)
+    sd = {k: torch.from_numpy(np.asarray(v, np.float32)).to(dtype)
+          for k, v in to_hf_state_dict(model.config, model.params).items()}
+    tm.load_state_dict(sd, strict=False)
+    tm = tm.to(dev).eval()
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros((len(prompts), width), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):  # left padding, as transformers' generate expects
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    ids, mask = ids.to(dev), mask.to(dev)
+    kw = dict(attention_mask=mask, do_sample=not sampling.greedy, pad_token_id=0,
+              eos_token_id=None)
+    if not sampling.greedy:
+        kw.update(temperature=sampling.temperature, top_k=sampling.top_k or None,
+                  top_p=sampling.top_p, min_p=sampling.min_p or None)
+    if prompt_lookup:
+        kw["prompt_lookup_num_tokens"] = 10
+    else:
+        kw["cache_implementation"] = "static"
+
+    def timed(n):
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        with torch.no_grad():
+            tm.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - t
+
+    timed(2)  # warm-up
+    t1, tn = timed(1), timed(new_tokens)
+    name = "hf-transformers" + (" prompt-lookup" if prompt_lookup else " static cache")
+    return {"method": name, "tok_s": len(prompts) * (new_tokens - 1) / (tn - t1)}
+
+
+def check_impls(model, prompts, new_tokens: int, spec: SpecConfig) -> list[dict]:
+    """Greedy tokens through the Pallas kernels vs the XLA reference path, for vanilla and
+    `spec`'s method: equal, or where they first part (bf16 near-ties can flip)."""
+    from vegas_jax.speculative import speculative_generate
+
+    rows = []
+    for method in ("vanilla", spec.method):
+        s = dataclasses.replace(spec, method=method)
+        got = {impl: speculative_generate(model, prompts, new_tokens, s, attn_impl=impl).tokens
+               for impl in ("pallas", "xla")}
+        first = []
+        for a, b in zip(got["pallas"], got["xla"]):
+            diff = [i for i, (x, y) in enumerate(zip(a, b)) if x != y]
+            first.append(diff[0] if diff else None)
+        rows.append({"method": method, "identical_sequences": sum(f is None for f in first),
+                     "sequences": len(first), "first_mismatch": first})
+    return rows
 
 
 def build_parser():
@@ -123,6 +195,10 @@ def build_parser():
                    help="only time the phases on a synthetic cache of --context tokens")
     p.add_argument("--project-tau", type=float, default=None,
                    help="with --profile-only: project tokens/s at this tau")
+    p.add_argument("--hf-reference", action="store_true",
+                   help="also run the same weights and prompts through transformers (PyTorch)")
+    p.add_argument("--check-impls", action="store_true",
+                   help="only compare greedy tokens of the pallas and xla attention paths")
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
     return p
 
@@ -171,6 +247,10 @@ def run(args) -> list[dict]:
         cache = cache.replace(k=k, v=k[..., ::-1], lengths=jnp.full((args.batch,), args.context, jnp.int32))
     else:
         prompts = _workload(model, args)
+    if args.check_impls:
+        spec = SpecConfig(method="vegas" if methods == list(ALL_METHODS) else methods[-1],
+                          gamma=args.gamma, sparsity=args.sparsity, min_tokens=args.min_tokens)
+        return check_impls(model, prompts, args.new_tokens, spec)
     for m in tqdm(methods, desc="methods", file=sys.stderr, disable=args.json):
         spec = SpecConfig(method=m if m != "vanilla" else "vegas", gamma=args.gamma,
                           sparsity=args.sparsity, min_tokens=args.min_tokens, score=args.score)
@@ -195,6 +275,10 @@ def run(args) -> list[dict]:
                 row["projected_tok_s"] = args.batch * args.project_tau / row["round_ms"] * 1e3
                 row["projected_vanilla_tok_s"] = args.batch / row["vanilla_step_ms"] * 1e3
         rows.append(row)
+    if args.hf_reference and not profile_only:
+        rows.append(hf_reference(model, prompts, args.new_tokens, sampling))
+        if args.batch == 1 and sampling.greedy:
+            rows.append(hf_reference(model, prompts, args.new_tokens, sampling, True))
     for r in rows:
         if base and "tok_s" in r:
             r["speedup"] = r["tok_s"] / base
@@ -223,7 +307,7 @@ def main(argv=None) -> int:
     except (ValueError, TypeError, FileNotFoundError, MemoryError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if args.json:
+    if args.json or args.check_impls:
         print(json.dumps({"args": vars(args), "rows": rows}))
     else:
         print(f"# {jax.devices()[0].device_kind}, batch {args.batch}, context {args.context}, "
