@@ -102,7 +102,7 @@ def _count_ge(key, thr, how):
     raise ValueError(how)
 
 
-def kth_largest_key(key, k, *, radix_bits=4, count_impl="sep"):
+def kth_largest_key(key, k, *, radix_bits=2, count_impl="sep"):
     """key [R, s] uint32 -> [R] uint32, the k-th largest key of each row (1 <= k <= s)."""
     if 32 % radix_bits:
         raise ValueError("radix_bits must divide 32")
@@ -129,12 +129,14 @@ def _block_prefix(v, block):
     return p
 
 
-def select_topk_fast(scores, k, *, radix_bits=4, count_impl="sep", block=128):
+def select_topk_fast(scores, k, *, radix_bits=2, count_impl="sep", block=128):
     """Indices of the k largest scores along the last axis: scores [..., s] (fp32; -inf for
     masked positions) -> int32 [..., k], exact up to ties (ties broken by lower position,
     like `lax.top_k`); the order inside the set is by position, not by score. Rows with
     fewer than k finite entries are filled with -inf positions (as `lax.top_k` does).
-    One call serves all layers and sequences at once: scores [L, b, s] -> [L, b, k]."""
+    One call serves all layers and sequences at once: scores [L, b, s] -> [L, b, k].
+    Defaults from the H200 run 3 (BENCHMARKS.md): radix_bits=2 (16 count passes of 3
+    thresholds) with sibling reductions beat 4 bits and the broadcast forms."""
     *lead, s = scores.shape
     k = int(k)
     if not 1 <= k <= s:
