@@ -52,6 +52,8 @@ CASES = [
     (2, 2, 2, 1, 128, 150, 5, jnp.float32, (100, 144), "rows", (5, 0), "weight"),
     (1, 2, 2, 4, 64, 45, 0, jnp.float32, (44, 7), "mean", (0, 0), "weight"),  # decode
     (1, 2, 2, 8, 64, 70, 0, jnp.bfloat16, (69, 20), "none", (0,), "weight"),  # decode
+    # in-kernel logit reduction with a duplicated capture row (weights 1/3, 2/3)
+    (2, 2, 2, 4, 64, 90, 3, jnp.float32, (5, 80), "mean", (0, 3, 3), "logit"),
 ]
 
 
