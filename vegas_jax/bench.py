@@ -40,7 +40,8 @@ def profile_round(model, ids_or_cache, spec: SpecConfig, sampling, impl: str, re
     """Milliseconds of one round's phases on a live state: draft (all gamma steps), verify
     without capture, verify with capture, selection, the whole jitted round, and one
     vanilla decode step. `ids_or_cache` is a list of prompts (token ids) to prefill, or a
-    ready KVCache (synthetic, for --profile-only)."""
+    ready KVCache (synthetic, for --profile-only), which is donated: the cache is returned
+    with its lengths restored, for the next call."""
     from vegas_jax import selection as sel
     from vegas_jax import speculative as S
     from vegas_jax.generate import decode_steps, prefill_prompts, start
@@ -51,6 +52,9 @@ def profile_round(model, ids_or_cache, spec: SpecConfig, sampling, impl: str, re
         logits, cache, scores = prefill_prompts(params, cfg, ids, cache, impl,
                                                 spec.method in sel.VERIFY_GUIDED)
     else:
+        from vegas_jax.attention import default_impl
+
+        impl = impl or default_impl()
         cache = ids_or_cache
         b, s = cache.batch, cache.max_len
         logits = jnp.zeros((b, cfg.vocab_size), jnp.float32)
@@ -58,26 +62,49 @@ def profile_round(model, ids_or_cache, spec: SpecConfig, sampling, impl: str, re
     x0 = jnp.argmax(logits, -1).astype(jnp.int32)
     state = S.init_state(spec, cache, x0, jax.random.PRNGKey(0), scores, cache.lengths + 0)
     key = jax.random.PRNGKey(2)
-    # Weights go in as arguments: a jitted closure would bake them in as constants.
-    draft = jax.jit(lambda p, st, spec, sp, impl: S.draft_phase(p, cfg, st, key, spec, sp, impl),
-                    static_argnames=("spec", "sp", "impl"))
-    verify = jax.jit(lambda p, c, x, d, spec, impl, capture: S.verify_phase(
-        p, cfg, c, x, d, spec, impl, capture), static_argnames=("spec", "impl", "capture"))
-    n = state.cache.lengths
-    out = {}
-    out["draft_ms"] = _time(lambda: draft(params, state, spec, sampling, impl), reps) * 1e3
-    _, drafts, _ = draft(params, state, spec, sampling, impl)
-    out["verify_ms"] = _time(
-        lambda: verify(params, state.cache, x0, drafts, spec, impl, False), reps) * 1e3
-    out["verify_capture_ms"] = _time(
-        lambda: verify(params, state.cache, x0, drafts, spec, impl, True), reps) * 1e3
-    _, _, sc = verify(params, state.cache, x0, drafts, spec, impl, True)
-    select = jax.jit(lambda st, sc: S.select_phase(st, sc, n, jnp.zeros_like(n), spec))
-    out["select_ms"] = _time(lambda: select(state, sc), reps) * 1e3
-    out["selection_overhead_ms"] = out["verify_capture_ms"] - out["verify_ms"] + out["select_ms"]
+    n = state.cache.lengths + 0  # own buffer: the cache (with its lengths) is donated
     active = jnp.ones_like(n, bool)
-    step = jax.jit(lambda p, c, t: decode_steps(p, cfg, c, t, active, key, sampling, impl, 8))
-    out["vanilla_step_ms"] = _time(lambda: step(params, state.cache, x0), reps) * 1e3 / 8
+    # Weights go in as arguments (a jitted closure would bake them in as constants), and
+    # every timed call donates the cache and gets it back: at long context a copy of the
+    # cache would not fit next to it. Drafts and verify rewrite the same positions, so
+    # repeating them leaves the state as it was.
+    draft = jax.jit(lambda p, c, st: (lambda c2, d, q: (c2, d))(
+        *S.draft_phase(p, cfg, st.replace(cache=c), key, spec, sampling, impl)), donate_argnums=1)
+    verify = jax.jit(lambda p, c, x, d, capture: (lambda lg, c2, sc: (c2, sc, lg[:, 0, :1]))(
+        *S.verify_phase(p, cfg, c, x, d, spec, impl, capture)),
+        static_argnames=("capture",), donate_argnums=1)
+    select = jax.jit(lambda st, sc: jax.tree.map(
+        lambda a: a, S.select_phase(st, sc, n, jnp.zeros_like(n), spec).replace(cache=None)))
+    box = {"state": state}
+
+    def run_draft():
+        cache, drafts = draft(params, box["state"].cache, box["state"].replace(cache=None))
+        box["state"] = box["state"].replace(cache=cache)
+        box["drafts"] = drafts
+        return drafts
+
+    def run_verify(capture):
+        def f():
+            cache, sc, lg = verify(params, box["state"].cache, x0, box["drafts"], capture=capture)
+            box["state"] = box["state"].replace(cache=cache)
+            box["scores"] = sc
+            return lg
+        return f
+
+    def run_step():
+        cache, tok, toks = decode_steps(params, cfg, box["state"].cache, x0, active, key,
+                                        sampling, impl, 8)
+        box["state"] = box["state"].replace(cache=cache.replace(lengths=n + 0))
+        return toks
+
+    out = {}
+    out["draft_ms"] = _time(run_draft, reps) * 1e3
+    out["verify_ms"] = _time(run_verify(False), reps) * 1e3
+    out["verify_capture_ms"] = _time(run_verify(True), reps) * 1e3
+    out["select_ms"] = _time(lambda: select(box["state"], box["scores"]), reps) * 1e3
+    out["selection_overhead_ms"] = out["verify_capture_ms"] - out["verify_ms"] + out["select_ms"]
+    out["vanilla_step_ms"] = _time(run_step, reps) * 1e3 / 8
+    state = box.pop("state")
     st = state
     times = []
     for i in range(reps + 1):  # the round donates its state: chain them
@@ -87,7 +114,7 @@ def profile_round(model, ids_or_cache, spec: SpecConfig, sampling, impl: str, re
         if i:
             times.append(time.perf_counter() - t)
     out["round_ms"] = float(np.median(times)) * 1e3
-    return out
+    return out, st.cache.replace(lengths=n)
 
 
 def hf_reference(model, prompts, new_tokens: int, sampling, prompt_lookup: bool = False) -> dict:
@@ -178,6 +205,12 @@ def build_parser():
     p.add_argument("--new-tokens", type=int, default=256, help="tokens generated per sequence")
     p.add_argument("--kind", default="prose", choices=("prose", "code"),
                    help="real text the prompts are cut from (vegas_jax.workloads)")
+    p.add_argument("--prompts-json", default=None,
+                   help='token-id prompts {"prompts": [[ids], ...]} instead of --kind text '
+                   "(each cut to its last --context tokens, repeated to fill the batch)")
+    p.add_argument("--profile-methods", default=None,
+                   help="comma-separated methods whose round is split into phases "
+                   "(default: all speculative methods)")
     p.add_argument("--no-chat", action="store_true", help="raw text continuation, no chat template")
     p.add_argument("--gamma", type=int, default=6, help="draft tokens per round")
     p.add_argument("--sparsity", type=float, default=0.07, help="draft budget fraction")
@@ -206,6 +239,11 @@ def build_parser():
 def _workload(model, args):
     from vegas_jax.workloads import long_prompts
 
+    if args.prompts_json:
+        with open(args.prompts_json) as f:
+            ids = json.load(f)["prompts"]
+        ids = [p[-args.context:] for p in ids]
+        return [ids[i % len(ids)] for i in range(args.batch)]
     if model.tokenizer is None:
         rng = np.random.default_rng(args.seed)
         return [rng.integers(0, model.config.vocab_size, args.context).tolist()
@@ -242,7 +280,8 @@ def run(args) -> list[dict]:
     rows = []
     base = None
     if profile_only:
-        cache = init_cache(model.config, args.batch, args.context + 4 * args.gamma + 128, dt)
+        cache = init_cache(model.config, args.batch,
+                           -(-(args.context + 4 * args.gamma + 1) // 128) * 128, dt)
         k = jax.random.normal(jax.random.PRNGKey(3), cache.k.shape, dt)
         cache = cache.replace(k=k, v=k[..., ::-1], lengths=jnp.full((args.batch,), args.context, jnp.int32))
     else:
@@ -265,12 +304,13 @@ def run(args) -> list[dict]:
                        prefill_s=st["prefill_s"], attn_impl=st["attn_impl"])
             if m == "vanilla":
                 base = st["decode_tokens_per_s"]
-        if m != "vanilla" and args.profile_reps > 0:
-            source = cache if profile_only else prompts
-            row.update(profile_round(model, source, spec, sampling, args.attn_impl,
-                                     args.profile_reps))
+        profiled = args.profile_methods is None or m in args.profile_methods.split(",")
+        if m != "vanilla" and args.profile_reps > 0 and profiled:
+            times, cache_after = profile_round(model, cache if profile_only else prompts, spec,
+                                               sampling, args.attn_impl, args.profile_reps)
+            row.update(times)
             if profile_only:
-                cache = jax.tree.map(lambda x: x, cache)  # fresh buffers for the next method
+                cache = cache_after
             if profile_only and args.project_tau:
                 row["projected_tok_s"] = args.batch * args.project_tau / row["round_ms"] * 1e3
                 row["projected_vanilla_tok_s"] = args.batch / row["vanilla_step_ms"] * 1e3
