@@ -110,12 +110,25 @@ def read_config(reader, path: Path | None = None) -> ModelConfig:
 
 
 def read_tokenizer(reader):
-    """`PreTrainedTokenizerFast` built from the file's tokenizer metadata (no torch)."""
+    """`PreTrainedTokenizerFast` built from the file's tokenizer metadata (no torch).
+
+    Needs transformers' GGUF tokenizer mapping, whose location moved between releases;
+    without it the model still loads, with no tokenizer and a warning that says why."""
     from transformers import PreTrainedTokenizerFast
-    from transformers.integrations.gguf.gguf_tokenizer_mapping import (
-        GGUF_TOKENIZER_MAPPING,
-        convert_gguf_tokenizer,
-    )
+
+    try:
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+            GGUF_TOKENIZER_MAPPING,
+            convert_gguf_tokenizer,
+        )
+    except ImportError as e:
+        import warnings
+
+        import transformers
+
+        warnings.warn(f"no tokenizer from the GGUF: transformers {transformers.__version__} "
+                      f"lacks the GGUF tokenizer mapping ({e}); pass prompts as token ids")
+        return None
 
     if "tokenizer.ggml.tokens" not in reader.fields:
         return None
