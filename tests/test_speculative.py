@@ -205,3 +205,23 @@ def test_bad_inputs(tiny):
         speculative_generate(tiny, [1, 2, 3], 8)
     with pytest.raises(ValueError, match="tokenizer"):
         speculative_generate(tiny, ["hello"], 8)
+
+
+def test_selection_prefix_is_the_exact_top_count():
+    """The draft reads the first `count` of the K padded entries: they must be the top
+    `count` positions by score, for counts below K too."""
+    from jax import lax
+
+    spec = SpecConfig(gamma=4, sparsity=0.07, min_tokens=8)
+    max_len = 1024
+    scores = jax.random.normal(jax.random.PRNGKey(0), (3, 2, max_len))
+    r_end = jnp.array([400, 1000])
+    idx, count = sel.select_topk(scores, r_end, spec, max_len)
+    assert idx.shape[-1] == sel.max_budget(spec, max_len) == 72
+    for layer in range(3):
+        for b in range(2):
+            c = int(count[layer, b])
+            masked = jnp.where(jnp.arange(max_len) <= r_end[b], scores[layer, b], -jnp.inf)
+            want = set(np.asarray(lax.top_k(masked, c)[1]).tolist())
+            assert set(np.asarray(idx[layer, b, :c]).tolist()) == want
+    assert int(count[0, 0]) == 29 and int(count[0, 1]) == 71  # below K = 72

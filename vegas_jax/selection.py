@@ -109,7 +109,11 @@ def select_topk(scores, r_end, spec: SpecConfig, max_len: int):
     scores = jnp.where(ranked, scores, -jnp.inf)
     # Threshold select (exact up to ties, one call for all layers): 2-3x cheaper than
     # lax.top_k on the H200 at these sizes (BENCHMARKS.md, kernels run 3).
-    idx = select_topk_fast(scores, max_budget(spec, max_len))
+    idx = select_topk_fast(scores, max_budget(spec, max_len))  # by position, not score
+    # The draft reads the first `count` entries, so they must be the best `count`: order
+    # the K winners by score (a sort of K, not of the context).
+    _, order = lax.top_k(jnp.take_along_axis(scores, idx, axis=-1), idx.shape[-1])
+    idx = jnp.take_along_axis(idx, order, axis=-1)
     count = jnp.broadcast_to(budget(spec, r_end, max_len)[None, :], scores.shape[:2])
     return idx.astype(jnp.int32), count
 
