@@ -11,6 +11,8 @@ Einsum letters, used throughout the package:
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -121,7 +123,10 @@ def forward(
     cos, sin = rope_tables(cfg, positions)
     step = _layer(cfg, spec, cos, sin, positions, jnp.float32)
     xs = (params.layers, per_layer_inputs(spec), jnp.arange(cfg.num_layers))
-    (x, k_cache, v_cache), aux = lax.scan(step, (x, cache.k, cache.v), xs)
+    # VEGAS_LAYER_UNROLL (experiment knob): unrolled layers turn the per-layer dynamic
+    # slices of the stacked weights into static ones.
+    unroll = int(os.environ.get("VEGAS_LAYER_UNROLL", "1"))
+    (x, k_cache, v_cache), aux = lax.scan(step, (x, cache.k, cache.v), xs, unroll=unroll)
     if logits_at is not None:
         x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)  # [b, 1, h]
     x = rms_norm(x, params.final_norm, cfg.rms_norm_eps)
