@@ -83,10 +83,7 @@ class Streamer:
 def _prompts(args, tokenizer) -> list:
     texts = list(args.prompt or [])
     for f in args.prompt_file or []:
-        path = Path(f)
-        if not path.is_file():
-            raise FileNotFoundError(f"prompt file not found: {path}")
-        texts.append(path.read_text())
+        texts.append(Path(f).read_text())
     if not texts:
         texts = [DEFAULT_PROMPT]
     if tokenizer is None:
@@ -122,6 +119,9 @@ def run(args) -> int:
                       min_tokens=args.min_tokens, score=args.score)
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    for f in args.prompt_file or []:
+        if not Path(f).is_file():
+            raise FileNotFoundError(f"prompt file not found: {f}")
 
     import jax
     import jax.numpy as jnp

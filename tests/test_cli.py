@@ -1,0 +1,64 @@
+"""`python -m vegas_jax.decode` as a user runs it."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(*args, timeout=600):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([sys.executable, "-m", "vegas_jax.decode", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_help_explains_every_flag():
+    r = run("--help")
+    assert r.returncode == 0
+    for flag in ("--model", "--checkpoint", "--prompt", "--prompt-file", "--max-new-tokens",
+                 "--temperature", "--top-k", "--top-p", "--min-p", "--seed", "--method",
+                 "--gamma", "--sparsity", "--min-tokens", "--score", "--dtype", "--attn-impl",
+                 "--json", "--raw"):
+        assert flag in r.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "qwen3-8"], "unknown model 'qwen3-8'"),
+    (["--gamma", "0"], "gamma must be"),
+    (["--sparsity", "0"], "sparsity must be in (0, 1]"),
+    (["--sparsity", "1.5"], "sparsity must be in (0, 1]"),
+    (["--top-p", "0"], "top_p must be"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+    (["--checkpoint", "/no/such/dir"], "/no/such/dir"),
+    (["--model", "qwen3-8b"], "--checkpoint"),
+    (["--prompt-file", "/no/such/file.txt"], "prompt file not found"),
+])
+def test_bad_input_is_a_clear_error(args, message):
+    r = run(*args)
+    assert r.returncode == 2, r.stderr
+    assert message in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_json_run_on_the_default_model():
+    r = run("--prompt", "Name three colours.", "--max-new-tokens", "12", "--json",
+            "--method", "vegas", "--gamma", "3")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    res = out["results"][0]
+    assert out["model"] == "smollm2-135m" and len(res["tokens"]) == 12 and res["text"]
+    assert out["stats"]["method"] == "vegas" and out["stats"]["tau"] >= 1
+
+
+def test_streams_text_and_prints_stats(tmp_path):
+    f = tmp_path / "prompt.txt"
+    f.write_text("Write one sentence about the sea.")
+    r = run("--prompt-file", str(f), "--max-new-tokens", "16", "--method", "stream")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip()
+    assert "tok/s" in r.stderr and "tau=" in r.stderr

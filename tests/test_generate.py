@@ -1,0 +1,66 @@
+"""Vanilla decoding: batching, EOS, memory refusal, sampling reproducibility."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import importlib
+
+from vegas_jax import SamplingParams, generate
+from vegas_jax.loading import load_model
+from tests.tiny import tiny_model
+
+gen = importlib.import_module("vegas_jax.generate")  # the package exports a function of that name
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return load_model(dtype=jnp.float32)
+
+
+def test_batch_equals_each_prompt_alone_real_weights(smollm2):
+    prompts = ["The capital of France is", "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci",
+               "Once upon a time, in a village by the sea, there lived an old fisherman who"]
+    batch = generate(smollm2, prompts, 24)
+    for p, toks in zip(prompts, batch.tokens):
+        assert generate(smollm2, [p], 24).tokens[0] == toks
+    assert all(isinstance(t, str) and t for t in batch.text)
+    st = batch.stats
+    assert st["decode_tokens"] == sum(len(t) for t in batch.tokens) - len(prompts)
+    assert st["decode_tokens_per_s"] > 0 and st["prefill_s"] > 0
+
+
+def test_eos_stops_and_is_kept():
+    m = tiny_model(scale=0.3)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, 100, size=n).tolist() for n in (5, 40)]
+    ref = generate(m, prompts, 30)
+    eos = ref.tokens[0][3]
+    out = generate(tiny_model(scale=0.3, eos=(eos,)), prompts, 30)
+    assert out.tokens[0] == ref.tokens[0][: ref.tokens[0].index(eos) + 1]
+    for full, cut in zip(ref.tokens, out.tokens):
+        assert full[: len(cut)] == cut
+
+
+def test_sampling_is_seeded():
+    m = tiny_model(scale=0.3)
+    sp = SamplingParams(0.9, 20, 0.9)
+    a = generate(m, [[1, 2, 3]], 20, sp, seed=5).tokens
+    assert a == generate(m, [[1, 2, 3]], 20, sp, seed=5).tokens
+    assert a != generate(m, [[1, 2, 3]], 20, sp, seed=6).tokens
+
+
+def test_refuses_what_does_not_fit(monkeypatch):
+    m = tiny_model()
+    monkeypatch.setattr(gen, "available_bytes", lambda: 1 << 20)
+    with pytest.raises(MemoryError, match="KV cache"):
+        generate(m, [[1, 2, 3]] * 8, 1000)
+
+
+def test_bad_arguments():
+    m = tiny_model()
+    with pytest.raises(ValueError, match="steps_per_call"):
+        generate(m, [[1]], 4, steps_per_call=0)
+    with pytest.raises(TypeError, match="SamplingParams"):
+        generate(m, [[1]], 4, sampling={"temperature": 1.0})
+    with pytest.raises(ValueError, match="attn_impl"):
+        generate(m, [[1]], 4, attn_impl="cuda")
