@@ -155,9 +155,9 @@ def run(args) -> int:
             print(f"\n=== [{i}] ===\n{text}")
     print()
     acc = ", ".join(f"{a:.2f}" for a in st.get("acceptance_by_position", []))
-    log(f"[vegas_jax] {st['decode_tokens']} tokens in {st['decode_s']:.2f}s = "
-        f"{st['decode_tokens_per_s']:.1f} tok/s (batch {st['batch']}, after the compiling first call; "
-        f"first call {st['first_call_s']:.2f}s); prefill {st['prefill_s']:.2f}s")
+    log(f"[vegas_jax] {st['decode_tokens']} tokens in {st['decode_s']:.2f}s (batch "
+        f"{st['batch']}; the first call, compiling, took {st['first_call_s']:.2f}s); "
+        f"{st['decode_tokens_per_s']:.1f} tok/s after it; prefill {st['prefill_s']:.2f}s")
     if spec.method != "vanilla":
         log(f"[vegas_jax] method={spec.method} gamma={spec.gamma} sparsity={spec.sparsity} "
             f"tau={st['tau']:.2f} tokens/round over {st['rounds']} rounds; acceptance by "
