@@ -112,15 +112,13 @@ def rel(a, b):
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-def correctness():
-    ks = jax.random.split(jax.random.PRNGKey(1), 8)
-    L, b, kh, g, d, s = 2, 3, 8, 4, 128, (4099 if not SMOKE else 300)
-    kc = jax.random.normal(ks[0], (L, b, kh, s, d), jnp.bfloat16)
-    vc = jax.random.normal(ks[1], (L, b, kh, s, d), jnp.bfloat16)
+def _check_verify(kc, vc, key, cases, finite=False):
+    """Verify kernel vs reference for (t, capture, rows, score) cases at ragged positions."""
+    _, b, kh, s, d = kc.shape
+    g = 4
     ok = True
-    for t, cap, rows, score in [(7, "mean", (0, 6), "weight"), (9, "rows", (0, 8), "logit"),
-                                (1, "none", (0,), "weight"), (5, "rows", tuple(range(5)), "weight")]:
-        q = jax.random.normal(ks[2], (b, t, kh, g, d), jnp.bfloat16) * 2
+    for t, cap, rows, score in cases:
+        q = jax.random.normal(key, (b, t, kh, g, d), jnp.bfloat16) * 2
         qp = jnp.array([[10], [s // 2], [s - t]], jnp.int32) + jnp.arange(t, dtype=jnp.int32)
         kw = dict(capture=cap, capture_rows=rows, score=score)
         o1, s1 = jax.jit(functools.partial(verify_attention, **kw))(q, kc, vc, jnp.int32(1), qp)
@@ -128,18 +126,27 @@ def correctness():
             q, kc, vc, jnp.int32(1), qp)
         e_o = rel(o1, o2)
         e_s = None if s1 is None else rel(s1, s2)
-        good = e_o < 1e-2 and (e_s is None or e_s < 1e-2) and np.isfinite(np.asarray(o1, np.float32)).all()
+        good = e_o < 1e-2 and (e_s is None or e_s < 1e-2)
+        if finite:
+            good = good and np.isfinite(np.asarray(o1, np.float32)).all()
         ok &= bool(good)
         record(kind="check", op="verify", t=t, capture=cap, score=score, err_out=e_o,
                err_score=e_s, ok=bool(good))
-    # prefill (query blocks) with capture of the last row, and the cudnn path
+    return ok
+
+
+def _check_prefill(kc, vc, key, impls, label):
+    """Prefill (query blocks) with capture of the last row, per prefill implementation;
+    cuDNN may be unavailable, which is recorded, not failed."""
     t = 700 if not SMOKE else 100
-    q = jax.random.normal(ks[3], (2, t, kh, g, d), jnp.bfloat16)
+    _, _, kh, _, d = kc.shape
+    q = jax.random.normal(key, (2, t, kh, 4, d), jnp.bfloat16)
     kc2, vc2 = kc[:, :2, :, :t + 50], vc[:, :2, :, :t + 50]
     qp = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (2, t))
     kw = dict(capture="mean", capture_rows=(t - 1,))
     o2, s2 = jax.jit(functools.partial(verify_attention_reference, **kw))(q, kc2, vc2, jnp.int32(0), qp)
-    for impl in ("pallas", "cudnn"):
+    ok = True
+    for impl in impls:
         try:
             o1, s1 = jax.jit(functools.partial(verify_attention, prefill_impl=impl, **kw))(
                 q, kc2, vc2, jnp.int32(0), qp)
@@ -149,7 +156,19 @@ def correctness():
             e_o = e_s = repr(e)[:200]
             good = impl == "cudnn"
         ok &= bool(good)
-        record(kind="check", op=f"prefill-{impl}", t=t, err_out=e_o, err_score=e_s, ok=bool(good))
+        record(kind="check", op=label(impl), t=t, err_out=e_o, err_score=e_s, ok=bool(good))
+    return ok
+
+
+def correctness():
+    ks = jax.random.split(jax.random.PRNGKey(1), 8)
+    L, b, kh, g, d, s = 2, 3, 8, 4, 128, (4099 if not SMOKE else 300)
+    kc = jax.random.normal(ks[0], (L, b, kh, s, d), jnp.bfloat16)
+    vc = jax.random.normal(ks[1], (L, b, kh, s, d), jnp.bfloat16)
+    ok = _check_verify(kc, vc, ks[2], [(7, "mean", (0, 6), "weight"), (9, "rows", (0, 8), "logit"),
+                                       (1, "none", (0,), "weight"),
+                                       (5, "rows", tuple(range(5)), "weight")], finite=True)
+    ok &= _check_prefill(kc, vc, ks[3], ("pallas", "cudnn"), lambda impl: f"prefill-{impl}")
     for per_head in (False, True):
         K, W = 300, 16
         ish = (b, kh, K) if per_head else (b, K)
@@ -462,32 +481,10 @@ def focus_correctness():
     L, b, kh, g, d, s = 2, 3, 8, 4, 128, (4099 if not SMOKE else 300)
     kc = jax.random.normal(ks[0], (L, b, kh, s, d), jnp.bfloat16)
     vc = jax.random.normal(ks[1], (L, b, kh, s, d), jnp.bfloat16)
-    ok = True
-    for t, cap, rows, score in [(7, "mean", (0, 6), "weight"), (7, "mean", (0, 6), "logit"),
-                                (9, "rows", (0, 8), "logit"), (5, "rows", (0, 4, 4), "weight"),
-                                (1, "mean", (0,), "weight"), (1, "none", (0,), "weight")]:
-        q = jax.random.normal(ks[2], (b, t, kh, g, d), jnp.bfloat16) * 2
-        qp = jnp.array([[10], [s // 2], [s - t]], jnp.int32) + jnp.arange(t, dtype=jnp.int32)
-        kw = dict(capture=cap, capture_rows=rows, score=score)
-        o1, s1 = jax.jit(functools.partial(verify_attention, **kw))(q, kc, vc, jnp.int32(1), qp)
-        o2, s2 = jax.jit(functools.partial(verify_attention_reference, **kw))(
-            q, kc, vc, jnp.int32(1), qp)
-        e_o = rel(o1, o2)
-        e_s = None if s1 is None else rel(s1, s2)
-        good = e_o < 1e-2 and (e_s is None or e_s < 1e-2)
-        ok &= bool(good)
-        record(kind="check", op="verify", t=t, capture=cap, score=score, err_out=e_o,
-               err_score=e_s, ok=bool(good))
-    t = 700 if not SMOKE else 100
-    q = jax.random.normal(ks[3], (2, t, kh, g, d), jnp.bfloat16)
-    kc2, vc2 = kc[:, :2, :, :t + 50], vc[:, :2, :, :t + 50]
-    qp = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (2, t))
-    kw = dict(capture="mean", capture_rows=(t - 1,))
-    o2, s2 = jax.jit(functools.partial(verify_attention_reference, **kw))(q, kc2, vc2, jnp.int32(0), qp)
-    o1, s1 = jax.jit(functools.partial(verify_attention, **kw))(q, kc2, vc2, jnp.int32(0), qp)
-    good = rel(o1, o2) < 1e-2 and rel(s1, s2) < 1e-2
-    ok &= bool(good)
-    record(kind="check", op="prefill", t=t, err_out=rel(o1, o2), err_score=rel(s1, s2), ok=bool(good))
+    ok = _check_verify(kc, vc, ks[2], [(7, "mean", (0, 6), "weight"), (7, "mean", (0, 6), "logit"),
+                                       (9, "rows", (0, 8), "logit"), (5, "rows", (0, 4, 4), "weight"),
+                                       (1, "mean", (0,), "weight"), (1, "none", (0,), "weight")])
+    ok &= _check_prefill(kc, vc, ks[3], ("pallas",), lambda impl: "prefill")
     return ok
 
 

@@ -187,19 +187,12 @@ def check_impls(model, prompts, new_tokens: int, spec: SpecConfig) -> list[dict]
     return rows
 
 
-def build_parser():
-    p = argparse.ArgumentParser(
-        prog="python -m vegas_jax.bench",
-        description="Run one decoding workload under several methods and print one table.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    """Flags shared by the bench and the tuner: model, workload, budget and sampling."""
     p.add_argument("--model", default=None, help="registered model name (default: the embedded SmolLM2)")
     p.add_argument("--checkpoint", default=None, help="HF / orbax directory or .gguf file")
-    p.add_argument("--random-init", action="store_true",
-                   help="random full-size weights (timing only; implies --profile-only)")
     p.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32"),
                    help="auto = bf16 on GPU, fp32 on CPU")
-    p.add_argument("--methods", default=",".join(ALL_METHODS),
-                   help="comma-separated subset of " + ",".join(ALL_METHODS))
     p.add_argument("--batch", type=int, default=4, help="sequences decoded together")
     p.add_argument("--context", type=int, default=4096, help="prompt length in tokens")
     p.add_argument("--new-tokens", type=int, default=256, help="tokens generated per sequence")
@@ -208,20 +201,35 @@ def build_parser():
     p.add_argument("--prompts-json", default=None,
                    help='token-id prompts {"prompts": [[ids], ...]} instead of --kind text '
                    "(each cut to its last --context tokens, repeated to fill the batch)")
+    p.add_argument("--no-chat", action="store_true", help="raw text continuation, no chat template")
+    p.add_argument("--min-tokens", type=int, default=256,
+                   help="draft budget floor (at short context it can hide the sparsity)")
+    p.add_argument("--score", default="weight", choices=("weight", "logit"),
+                   help="criticality score: softmax weights or raw logits")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    p.add_argument("--min-p", type=float, default=0.0, help="0 = off")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (also random prompts)")
+    p.add_argument("--attn-impl", default=None, choices=("pallas", "xla"),
+                   help="attention backend; unset: pallas on GPU, xla on CPU")
+
+
+def build_parser():
+    p = argparse.ArgumentParser(
+        prog="python -m vegas_jax.bench",
+        description="Run one decoding workload under several methods and print one table.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_workload_args(p)
+    p.add_argument("--random-init", action="store_true",
+                   help="random full-size weights (timing only; implies --profile-only)")
+    p.add_argument("--methods", default=",".join(ALL_METHODS),
+                   help="comma-separated subset of " + ",".join(ALL_METHODS))
     p.add_argument("--profile-methods", default=None,
                    help="comma-separated methods whose round is split into phases "
                    "(default: all speculative methods)")
-    p.add_argument("--no-chat", action="store_true", help="raw text continuation, no chat template")
     p.add_argument("--gamma", type=int, default=6, help="draft tokens per round")
     p.add_argument("--sparsity", type=float, default=0.07, help="draft budget fraction")
-    p.add_argument("--min-tokens", type=int, default=256, help="draft budget floor")
-    p.add_argument("--score", default="weight", choices=("weight", "logit"))
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--attn-impl", default=None, choices=("pallas", "xla"))
     p.add_argument("--profile-reps", type=int, default=5,
                    help="timed repetitions of each round phase (0: skip the phase split)")
     p.add_argument("--profile-only", action="store_true",

@@ -119,25 +119,15 @@ class Tuner:
 
 
 def build_parser():
+    from vegas_jax.bench import add_workload_args
+
     p = argparse.ArgumentParser(
         prog="python -m vegas_jax.tune",
         description="Choose sparsity and gamma for self-speculative decoding with the "
         "paper's 3-step strategy (tau plateau over sparsity at a large gamma; gamma sweep "
         "for tokens/s; sparsity refinement). Workload flags mirror vegas_jax.bench.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", default=None, help="registered model name (default: the embedded SmolLM2)")
-    p.add_argument("--checkpoint", default=None, help="HF / orbax directory or .gguf file")
-    p.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32"),
-                   help="auto = bf16 on GPU, fp32 on CPU")
-    p.add_argument("--batch", type=int, default=4, help="sequences decoded together")
-    p.add_argument("--context", type=int, default=4096, help="prompt length in tokens")
-    p.add_argument("--new-tokens", type=int, default=256, help="tokens generated per sequence")
-    p.add_argument("--kind", default="prose", choices=("prose", "code"),
-                   help="real text the prompts are cut from (vegas_jax.workloads)")
-    p.add_argument("--prompts-json", default=None,
-                   help='token-id prompts {"prompts": [[ids], ...]} instead of --kind text '
-                   "(each cut to its last --context tokens, repeated to fill the batch)")
-    p.add_argument("--no-chat", action="store_true", help="raw text continuation, no chat template")
+    add_workload_args(p)  # the bench's model, workload and sampling flags
     p.add_argument("--method", default="vegas", choices=("vegas", "vegas-all", "last", "stream", "quest"),
                    help="speculative method to tune")
     p.add_argument("--sparsities", default=DEFAULT_SPARSITIES,
@@ -153,17 +143,6 @@ def build_parser():
     p.add_argument("--repeats", type=int, default=1,
                    help="runs per point; the fastest is kept (less sensitive to other load)")
     p.add_argument("--no-vanilla", action="store_true", help="skip the vanilla reference run")
-    p.add_argument("--min-tokens", type=int, default=256,
-                   help="draft budget floor (at short context it can hide the sparsity)")
-    p.add_argument("--score", default="weight", choices=("weight", "logit"),
-                   help="criticality score: softmax weights or raw logits")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=0, help="0 = off")
-    p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
-    p.add_argument("--min-p", type=float, default=0.0, help="0 = off")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (also random prompts)")
-    p.add_argument("--attn-impl", default=None, choices=("pallas", "xla"),
-                   help="attention backend; unset: pallas on GPU, xla on CPU")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="write the curves as a figure")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     return p
