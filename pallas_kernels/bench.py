@@ -160,11 +160,19 @@ def _check_prefill(kc, vc, key, impls, label):
     return ok
 
 
-def correctness():
+def _check_inputs():
+    """A 2-layer bf16 cache of odd length (4099) with 3 sequences, and spare keys."""
     ks = jax.random.split(jax.random.PRNGKey(1), 8)
-    L, b, kh, g, d, s = 2, 3, 8, 4, 128, (4099 if not SMOKE else 300)
+    L, b, kh, d, s = 2, 3, 8, 128, (4099 if not SMOKE else 300)
     kc = jax.random.normal(ks[0], (L, b, kh, s, d), jnp.bfloat16)
     vc = jax.random.normal(ks[1], (L, b, kh, s, d), jnp.bfloat16)
+    return ks, kc, vc
+
+
+def correctness():
+    ks, kc, vc = _check_inputs()
+    L, b, kh, s, d = kc.shape
+    g = 4
     ok = _check_verify(kc, vc, ks[2], [(7, "mean", (0, 6), "weight"), (9, "rows", (0, 8), "logit"),
                                        (1, "none", (0,), "weight"),
                                        (5, "rows", tuple(range(5)), "weight")], finite=True)
@@ -477,10 +485,7 @@ def table(ceil_bw, best):
 
 # ---------------------------------------------------------------- focused mode
 def focus_correctness():
-    ks = jax.random.split(jax.random.PRNGKey(1), 4)
-    L, b, kh, g, d, s = 2, 3, 8, 4, 128, (4099 if not SMOKE else 300)
-    kc = jax.random.normal(ks[0], (L, b, kh, s, d), jnp.bfloat16)
-    vc = jax.random.normal(ks[1], (L, b, kh, s, d), jnp.bfloat16)
+    ks, kc, vc = _check_inputs()
     ok = _check_verify(kc, vc, ks[2], [(7, "mean", (0, 6), "weight"), (7, "mean", (0, 6), "logit"),
                                        (9, "rows", (0, 8), "logit"), (5, "rows", (0, 4, 4), "weight"),
                                        (1, "mean", (0,), "weight"), (1, "none", (0,), "weight")])
