@@ -184,7 +184,7 @@ def test_selection_comes_from_the_verify_pass(tiny, monkeypatch):
 
 @pytest.mark.parametrize("kw", [dict(gamma=0), dict(gamma=2.5), dict(sparsity=0.0),
                                 dict(sparsity=1.5), dict(method="magic"), dict(score="max"),
-                                dict(min_tokens=0)])
+                                dict(min_tokens=0), dict(page_size=24), dict(sink=-1)])
 def test_bad_spec(kw):
     with pytest.raises(ValueError):
         SpecConfig(**kw)

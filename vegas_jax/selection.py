@@ -55,8 +55,11 @@ class SpecConfig:
             raise ValueError(f"min_tokens must be a whole number >= 1, got {self.min_tokens}")
         if self.score not in SCORES:
             raise ValueError(f"score must be one of {SCORES}, got {self.score!r}")
-        if self.sink < 0 or self.page_size < 1:
-            raise ValueError("sink must be >= 0 and page_size >= 1")
+        if self.sink < 0:
+            raise ValueError(f"sink must be >= 0, got {self.sink}")
+        if self.page_size < 1 or 128 % self.page_size:
+            # cache lengths are multiples of 128, and Quest's pages must tile them
+            raise ValueError(f"page_size must divide 128, got {self.page_size}")
 
 
 jax.tree_util.register_static(SpecConfig)

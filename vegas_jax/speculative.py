@@ -42,8 +42,8 @@ def tail_len(spec: SpecConfig, max_len: int) -> int:
     if spec.method == "stream":
         return sel.max_budget(spec, max_len)
     if spec.method == "quest":
-        # pages not yet complete (< page_size) + this round's accepted tokens and drafts
-        return spec.page_size + 2 * spec.gamma + 1
+        # from the last complete page's end (< page_size behind n) to the last draft, n + gamma - 1
+        return spec.page_size + spec.gamma
     # after a verify the ranked range ends at n; the tail then holds up to gamma accepted
     # tokens + the bonus + gamma - 1 drafts
     return 2 * spec.gamma + 1
@@ -184,17 +184,15 @@ def speculative_generate(
         raise TypeError("spec must be a SpecConfig")
     if spec.method == "vanilla":
         res = generate(model, prompts, max_new_tokens, sampling, seed, on_tokens, attn_impl)
-        res.stats.update(tau=1.0, gamma=0, acceptance_by_position=[], rounds=res.stats["decode_tokens"])
+        steps = max(len(t) for t in res.tokens) - 1  # one token per step after the prefill's
+        res.stats.update(tau=1.0, gamma=0, acceptance_by_position=[], rounds=steps)
         return res
     cfg = model.config
     gamma = spec.gamma
-    if spec.method == "quest":
-        extra = 2 * gamma + 2 + (-(2 * gamma + 2)) % spec.page_size + spec.page_size
-    else:
-        extra = 2 * gamma + 2
+    # Room past the last kept token: a round writes gamma + 1 entries after n, and the last
+    # round may overshoot max_new_tokens by gamma; Quest's page refresh reads a page beyond.
+    extra = 2 * gamma + 2 + (spec.page_size if spec.method == "quest" else 0)
     ids, cache, impl = start(model, prompts, max_new_tokens, sampling, extra, attn_impl)
-    if spec.method == "quest" and cache.max_len % spec.page_size:
-        raise ValueError("page_size must divide the cache length (a multiple of 128)")
     batch = len(ids)
     key = jax.random.PRNGKey(seed)
     key, k0 = jax.random.split(key)
