@@ -285,8 +285,6 @@ def main():
     # tuning sweep at one shape
     b, s, t = 4, (32768 if not SMOKE else 512), 7
     kc, vc, L, per_layer = make_cache(b, s)
-    if SMOKE:
-        sweep_ = [dict()]
     n = reps_for(per_layer, 0.8 * ceil_bw)
     best, best_t = {}, None
     sweep = [dict(), dict(block_k=32), dict(block_k=128), dict(num_warps=8),

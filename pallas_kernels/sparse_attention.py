@@ -161,7 +161,7 @@ def sparse_attention(q, k_cache, v_cache, layer, idx, count, tail_start, q_pos, 
     bk = block_k or 64
     bk = max(16, min(bk, _pow2_at_least(max(n_idx, tail_len, 1))))
     j = max(1, min(-(-n_idx // bk), -(-target_programs // (b * kh))))
-    chunk = -(-(-(-n_idx // j)) // bk) * bk
+    chunk = pl.cdiv(pl.cdiv(n_idx, j), bk) * bk
     j = max(1, -(-n_idx // chunk))
     n_prog = j + (1 if tail_len > 0 else 0)
     rows = _pow2_at_least(g)

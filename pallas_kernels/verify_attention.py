@@ -291,7 +291,7 @@ def _plan(b, kh, t, g, s, *, max_rows, row_block, target_programs, block_k, min_
     per = b * kh * nqb
     max_splits = max(1, -(-s // max(min_split, block_k)))
     j = max(1, min(max_splits, -(-target_programs // per)))
-    split_len = -(-(-(-s // j)) // block_k) * block_k
+    split_len = pl.cdiv(pl.cdiv(s, j), block_k) * block_k
     j = -(-s // split_len)
     return rows, tq, nqb, j, split_len
 

@@ -166,7 +166,7 @@ def test_selection_comes_from_the_verify_pass(tiny, monkeypatch):
         return real(spec, *a, **k)
 
     monkeypatch.setattr(model_mod, "attention", spy)
-    from vegas_jax.speculative import spec_round, init_state
+    from vegas_jax.speculative import init_state
     import vegas_jax.speculative as spm
 
     cfg = tiny.config

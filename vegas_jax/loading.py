@@ -92,7 +92,7 @@ def _hub_checkpoint(name: str) -> Path:
         pass
     if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
         raise ValueError(_no_checkpoint_message(
-            name, f"it is not in the Hugging Face cache and HF_HUB_OFFLINE is set"))
+            name, "it is not in the Hugging Face cache and HF_HUB_OFFLINE is set"))
     os.environ.setdefault("HF_HUB_ETAG_TIMEOUT", "10")
     try:
         return Path(snapshot_download(repo, allow_patterns=_HUB_PATTERNS))

@@ -72,7 +72,7 @@ def apply_rope(x, cos, sin):
     return (xf * cos[:, :, None, :] + rot * sin[:, :, None, :]).astype(x.dtype)
 
 
-def _layer(cfg: ModelConfig, spec: AttnSpec, cos, sin, positions, logits_dtype):
+def _layer(cfg: ModelConfig, spec: AttnSpec, cos, sin, positions):
     k_heads, g, d = cfg.num_kv_heads, cfg.group_size, cfg.head_dim
 
     def step(carry, xs):
@@ -121,7 +121,7 @@ def forward(
     """
     x = params.embed[tokens]  # [b, t, h]
     cos, sin = rope_tables(cfg, positions)
-    step = _layer(cfg, spec, cos, sin, positions, jnp.float32)
+    step = _layer(cfg, spec, cos, sin, positions)
     xs = (params.layers, per_layer_inputs(spec), jnp.arange(cfg.num_layers))
     # VEGAS_LAYER_UNROLL (experiment knob): unrolled layers turn the per-layer dynamic
     # slices of the stacked weights into static ones.
