@@ -125,11 +125,12 @@ def hf_reference(model, prompts, new_tokens: int, sampling, prompt_lookup: bool 
     import transformers
 
     from convert.hf import to_hf_config, to_hf_state_dict
+    from vegas_jax.model import param_dtype
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     hf_cfg = to_hf_config(model.config)
     config = transformers.AutoConfig.for_model(**hf_cfg)
-    dtype = torch.bfloat16 if jax.tree.leaves(model.params)[0].dtype == jnp.bfloat16 else torch.float32
+    dtype = torch.bfloat16 if param_dtype(model.params) == jnp.bfloat16 else torch.float32
     tm = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=dtype)
     sd = {k: torch.from_numpy(np.asarray(v, np.float32)).to(dtype)
           for k, v in to_hf_state_dict(model.config, model.params).items()}

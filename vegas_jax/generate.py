@@ -14,10 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from vegas_jax.attention import AttnSpec, default_impl
+from vegas_jax.attention import IMPLS, AttnSpec, default_impl
 from vegas_jax.cache import KVCache, cache_bytes, init_cache
 from vegas_jax.config import ModelConfig
-from vegas_jax.model import forward, param_bytes
+from vegas_jax.model import forward, param_bytes, param_dtype
 from vegas_jax.sampling import SamplingParams, sample
 
 PROMPT_BUCKET = 64  # prompts are padded to a multiple of this: fewer compilations
@@ -89,16 +89,15 @@ def available_bytes() -> int | None:
         return None
 
 
-def check_memory(model, batch: int, max_len: int, prompt_len: int, extra_bytes: int = 0):
+def check_memory(model, batch: int, max_len: int, prompt_len: int):
     """Refuse up front, with numbers, when the KV cache and activations cannot fit."""
     cfg = model.config
-    dtype = jax.tree.leaves(model.params)[0].dtype
-    kv = cache_bytes(cfg, batch, max_len, dtype)
+    kv = cache_bytes(cfg, batch, max_len, param_dtype(model.params))
     # Largest transients: prefill activations and the chunked attention logits.
     act = batch * prompt_len * (cfg.hidden_size * 4 + cfg.intermediate_size * 3) * 4
     att = batch * cfg.num_heads * min(prompt_len, 512) * max_len * 4 * 3
     logits = batch * cfg.vocab_size * 4 * 4
-    need = kv + act + att + logits + extra_bytes
+    need = kv + act + att + logits
     free = available_bytes()
     if free is not None and need > 0.9 * free:
         gib = 1 << 30
@@ -248,7 +247,8 @@ def decode_text(model, tokens):
 
 
 def start(model, prompts, max_new_tokens, sampling, extra_len, attn_impl):
-    """Checks shared by every decoding loop; returns the padded batch and cache plan."""
+    """Checks shared by every decoding loop; returns (prompt token ids, an empty cache of
+    the planned length, the attention implementation)."""
     if not isinstance(sampling, SamplingParams):
         raise TypeError("sampling must be a SamplingParams")
     ids = encode_prompts(model, prompts)
@@ -256,10 +256,9 @@ def start(model, prompts, max_new_tokens, sampling, extra_len, attn_impl):
     max_len = plan_cache_len(model.config, lens, max_new_tokens, extra_len)
     check_memory(model, len(ids), max_len, max(lens))
     impl = attn_impl or default_impl()
-    if impl not in ("xla", "pallas"):
-        raise ValueError(f"attn_impl must be 'xla' or 'pallas', got {impl!r}")
-    dtype = jax.tree.leaves(model.params)[0].dtype
-    cache = init_cache(model.config, len(ids), max_len, dtype)
+    if impl not in IMPLS:
+        raise ValueError(f"attn_impl must be one of {IMPLS}, got {impl!r}")
+    cache = init_cache(model.config, len(ids), max_len, param_dtype(model.params))
     return ids, cache, impl
 
 

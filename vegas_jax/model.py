@@ -174,5 +174,10 @@ def init_params(cfg: ModelConfig, key, dtype=jnp.bfloat16, scale: float = 0.02) 
     return jax.jit(make)()
 
 
+def param_dtype(params: Params):
+    """The weights' dtype (the KV cache and activations use the same)."""
+    return params.embed.dtype
+
+
 def param_bytes(params: Params) -> int:
     return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(params))
