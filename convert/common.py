@@ -10,7 +10,7 @@ import ml_dtypes
 import numpy as np
 
 from vegas_jax.config import REGISTRY, ModelConfig, RopeScaling
-from vegas_jax.model import LayerParams, Params
+from vegas_jax.model import FUSED, LayerParams, Params, fused_widths
 
 _DTYPES = {
     "bf16": "bfloat16", "bfloat16": "bfloat16",
@@ -87,7 +87,8 @@ def registry_match(cfg: ModelConfig) -> ModelConfig | None:
 
 
 def layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Per-layer shapes of every LayerParams field (without the leading layer axis)."""
+    """Per-layer shapes of the checkpoint's projections and norms, in our [in, out] layout
+    (what the readers hand to `stack_layers`; `FUSED` says how they become fields)."""
     h, f, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     n, k = cfg.num_heads, cfg.num_kv_heads
     shapes = {
@@ -101,13 +102,22 @@ def layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def field_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Per-layer shapes of every LayerParams field (without the leading layer axis)."""
+    parts = layer_shapes(cfg)
+    out = {k: s for k, s in parts.items() if not any(k in ps for ps in FUSED.values())}
+    for name, ps in FUSED.items():
+        out[name] = (parts[ps[0]][0], sum(parts[p][1] for p in ps))
+    return out
+
+
 def params_shapes(cfg: ModelConfig) -> dict[str, Any]:
     """Nested dict of full shapes, the same keys as `params_to_dict`."""
     L = cfg.num_layers
     out: dict[str, Any] = {
         "embed": (cfg.vocab_size, cfg.hidden_size),
         "final_norm": (cfg.hidden_size,),
-        "layers": {k: (L, *s) for k, s in layer_shapes(cfg).items()},
+        "layers": {k: (L, *s) for k, s in field_shapes(cfg).items()},
     }
     if not cfg.tie_embeddings:
         out["lm_head"] = (cfg.hidden_size, cfg.vocab_size)
@@ -135,7 +145,14 @@ def stack_layers(
     """
     shapes = layer_shapes(cfg)
     L = cfg.num_layers
-    stacked = {k: np.empty((L, *s), dtype) for k, s in shapes.items()}
+    stacked = {k: np.empty((L, *s), dtype) for k, s in field_shapes(cfg).items()}
+    # Where each checkpoint tensor goes: (field, first column, last column) or (field,).
+    where: dict[str, tuple] = {k: (k,) for k in stacked}
+    for name, ps in FUSED.items():
+        start = 0
+        for p, w in zip(ps, fused_widths(cfg)[name]):
+            where[p] = (name, start, start + w)
+            start += w
     layers = range(L)
     if progress:
         from tqdm.auto import tqdm
@@ -148,7 +165,11 @@ def stack_layers(
             raise ValueError(f"layer {i}: checkpoint lacks {sorted(missing)}")
         for k, s in shapes.items():
             _check_shape(f"layer {i} {k}", got[k], s)
-            stacked[k][i] = got[k].astype(dtype, copy=False)
+            field, *cols = where[k]
+            if cols:
+                stacked[field][i, :, cols[0]:cols[1]] = got[k].astype(dtype, copy=False)
+            else:
+                stacked[field][i] = got[k].astype(dtype, copy=False)
     return LayerParams(**stacked)
 
 

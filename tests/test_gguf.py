@@ -129,8 +129,8 @@ def test_greedy_text_matches_transformers(runs, ours, theirs):
 def test_config_is_the_registry_entry(ours):
     assert ours.config == REGISTRY["smollm2-135m"]
     assert ours.params.lm_head is None  # tied
-    assert ours.params.layers.wq.shape == (30, 576, 576)
-    assert ours.params.layers.wk.shape == (30, 576, 192)
+    assert ours.params.layers.w_qkv.shape == (30, 576, 576 + 2 * 192)
+    assert ours.params.layers.w_gate_up.shape == (30, 576, 2 * 1536)
 
 
 def test_tokenizer_matches_transformers(ours, theirs):

@@ -143,8 +143,12 @@ def test_bf16_sharded_safetensors(tiny_hf, tmp_path):
     m = load_model(checkpoint=d, dtype="fp32")
     sd = {k: v.to(torch.bfloat16).float().numpy() for k, v in hf_model.state_dict().items()}
     np.testing.assert_array_equal(np.asarray(m.params.embed), sd["model.embed_tokens.weight"])
-    np.testing.assert_array_equal(np.asarray(m.params.layers.wq[1]),
-                                  sd["model.layers.1.self_attn.q_proj.weight"].T)
+    wq = sd["model.layers.1.self_attn.q_proj.weight"].T
+    np.testing.assert_array_equal(np.asarray(m.params.layers.w_qkv[1, :, :wq.shape[1]]), wq)
+    wv = sd["model.layers.1.self_attn.v_proj.weight"].T
+    np.testing.assert_array_equal(np.asarray(m.params.layers.w_qkv[1, :, -wv.shape[1]:]), wv)
+    up = sd["model.layers.0.mlp.up_proj.weight"].T
+    np.testing.assert_array_equal(np.asarray(m.params.layers.w_gate_up[0, :, -up.shape[1]:]), up)
     np.testing.assert_array_equal(np.asarray(m.params.lm_head), sd["lm_head.weight"].T)
     np.testing.assert_array_equal(np.asarray(m.params.layers.w_down[0]),
                                   sd["model.layers.0.mlp.down_proj.weight"].T)
@@ -196,8 +200,8 @@ def test_random_init_from_checkpoint_config(tiny_hf, hf_with_tokenizer, dtype):
     assert dataclasses.replace(rnd.config, name="x") == dataclasses.replace(real.config, name="x")
     assert_shapes(rnd, jnp.bfloat16 if dtype == "bf16" else jnp.float32)
     assert rnd.tokenizer is not None  # the checkpoint directory has one
-    assert not np.array_equal(np.asarray(rnd.params.layers.wq, np.float32),
-                              np.asarray(real.params.layers.wq, np.float32))
+    assert not np.array_equal(np.asarray(rnd.params.layers.w_qkv, np.float32),
+                              np.asarray(real.params.layers.w_qkv, np.float32))
     again = load_model(checkpoint=hf_with_tokenizer, random_init=True, dtype=dtype, seed=3)
     assert_params_identical(rnd.params, again.params)
 

@@ -19,7 +19,10 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
+from vegas_jax.cache import KVCache
+from vegas_jax.model import model_jit
 from vegas_jax.selection import METHODS, SpecConfig
 
 ALL_METHODS = ("vanilla", "stream", "quest", "last", "vegas-all", "vegas")
@@ -34,6 +37,29 @@ def _time(fn, reps: int) -> float:
         jax.block_until_ready(fn())
         ts.append(time.perf_counter() - t)
     return float(np.median(ts))
+
+
+def synthetic_cache(cfg, batch: int, max_len: int, length: int, dtype) -> KVCache:
+    """A full cache of pseudo-random entries for timing at sizes near the card's memory.
+
+    Each buffer is written by one fused elementwise kernel (a hash of the position), so
+    nothing larger than the cache itself is ever allocated: a zeros cache plus
+    `jax.random.normal` would need three cache-sized buffers at once.
+    """
+    shape = (cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim)
+
+    @jax.jit
+    def make(salt):
+        h = salt
+        for axis, mult in enumerate((0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D, 0x27D4EB2F, 0x165667B1)):
+            h = h + lax.broadcasted_iota(jnp.uint32, shape, axis) * jnp.uint32(mult)
+        h = (h ^ (h >> 15)) * jnp.uint32(0x2C1B3C6D)
+        h = h ^ (h >> 12)
+        # Uniform in [-1.7, 1.7): unit variance, like normalised keys.
+        return ((h >> 8).astype(jnp.float32) * (3.4 / 2**24) - 1.7).astype(dtype)
+
+    return KVCache(k=make(jnp.uint32(1)), v=make(jnp.uint32(2)),
+                   lengths=jnp.full((batch,), length, jnp.int32))
 
 
 def profile_round(model, ids_or_cache, spec: SpecConfig, sampling, impl: str, reps: int = 5):
@@ -68,9 +94,9 @@ def profile_round(model, ids_or_cache, spec: SpecConfig, sampling, impl: str, re
     # every timed call donates the cache and gets it back: at long context a copy of the
     # cache would not fit next to it. Drafts and verify rewrite the same positions, so
     # repeating them leaves the state as it was.
-    draft = jax.jit(lambda p, c, st: (lambda c2, d, q: (c2, d))(
+    draft = model_jit(lambda p, c, st: (lambda c2, d, q: (c2, d))(
         *S.draft_phase(p, cfg, st.replace(cache=c), key, spec, sampling, impl)), donate_argnums=1)
-    verify = jax.jit(lambda p, c, x, d, capture: (lambda lg, c2, sc: (c2, sc, lg[:, 0, :1]))(
+    verify = model_jit(lambda p, c, x, d, capture: (lambda lg, c2, sc: (c2, sc, lg[:, 0, :1]))(
         *S.verify_phase(p, cfg, c, x, d, spec, impl, capture)),
         static_argnames=("capture",), donate_argnums=1)
     select = jax.jit(lambda st, sc: jax.tree.map(
@@ -267,7 +293,6 @@ def _workload(model, args):
 def run(args) -> list[dict]:
     from tqdm import tqdm
 
-    from vegas_jax.cache import init_cache
     from vegas_jax.loading import load_model
     from vegas_jax.sampling import SamplingParams
     from vegas_jax.speculative import speculative_generate
@@ -289,10 +314,9 @@ def run(args) -> list[dict]:
     rows = []
     base = None
     if profile_only:
-        cache = init_cache(model.config, args.batch,
-                           -(-(args.context + 4 * args.gamma + 1) // 128) * 128, dt)
-        k = jax.random.normal(jax.random.PRNGKey(3), cache.k.shape, dt)
-        cache = cache.replace(k=k, v=k[..., ::-1], lengths=jnp.full((args.batch,), args.context, jnp.int32))
+        cache = synthetic_cache(model.config, args.batch,
+                                -(-(args.context + 4 * args.gamma + 1) // 128) * 128,
+                                args.context, dt)
     else:
         prompts = _workload(model, args)
     if args.check_impls:

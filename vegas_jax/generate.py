@@ -17,7 +17,7 @@ from jax import lax
 from vegas_jax.attention import IMPLS, AttnSpec, default_impl
 from vegas_jax.cache import KVCache, cache_bytes, init_cache
 from vegas_jax.config import ModelConfig
-from vegas_jax.model import forward, param_bytes, param_dtype
+from vegas_jax.model import forward, model_jit, param_bytes, param_dtype
 from vegas_jax.sampling import SamplingParams, sample
 
 PROMPT_BUCKET = 64  # prompts are padded to a multiple of this: fewer compilations
@@ -119,9 +119,7 @@ def pad_prompts(prompts: list[list[int]]):
     return jnp.asarray(toks), jnp.asarray(lens)
 
 
-@functools.partial(
-    jax.jit, static_argnames=("cfg", "impl", "capture"), donate_argnames=("cache",)
-)
+@model_jit(static_argnames=("cfg", "impl", "capture"), donate_argnames=("cache",))
 def prefill(params, cfg: ModelConfig, tokens, lens, cache: KVCache, impl: str, capture: bool):
     """Full causal attention over the (right-padded) prompts.
 
@@ -143,9 +141,7 @@ def prefill(params, cfg: ModelConfig, tokens, lens, cache: KVCache, impl: str, c
     return logits[:, 0], cache.replace(lengths=lens), scores
 
 
-@functools.partial(
-    jax.jit, static_argnames=("cfg", "sp", "impl", "n_steps"), donate_argnames=("cache",)
-)
+@model_jit(static_argnames=("cfg", "sp", "impl", "n_steps"), donate_argnames=("cache",))
 def decode_steps(params, cfg, cache: KVCache, tok, active, key, sp, impl, n_steps):
     """`n_steps` single-token steps in one scan: no host round trip per token.
 

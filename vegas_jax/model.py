@@ -11,6 +11,7 @@ Einsum letters, used throughout the package:
 
 from __future__ import annotations
 
+import functools
 import os
 
 import jax
@@ -23,22 +24,47 @@ from vegas_jax.attention import AttnSpec, attention, per_layer_inputs
 from vegas_jax.cache import KVCache, write_kv
 from vegas_jax.config import ModelConfig, rope_inv_freq
 
+# Decode-shaped matmuls (a few rows against a large weight) through XLA's Triton GEMM
+# read weights at ~1.1 TB/s on the H200; through cuBLAS at 2.4-2.8 TB/s, and a Qwen3-8B
+# decode step drops from 14.3 to 7.9 ms (BENCHMARKS.md, "Weight reads"). The option is
+# ignored by the CPU backend.
+COMPILER_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
+
+
+def model_jit(fun=None, **kwargs):
+    """`jax.jit` with the compiler options every function that runs the model uses."""
+    if fun is None:
+        return functools.partial(model_jit, **kwargs)
+    return jax.jit(fun, compiler_options=COMPILER_OPTIONS, **kwargs)
+
 
 @struct.dataclass
 class LayerParams:
-    """Every field has a leading layer axis L."""
+    """Every field has a leading layer axis L.
+
+    Q/K/V and gate/up projections are stored side by side (`FUSED`): one matmul each,
+    fewer launches, and no narrow K/V matmul, which XLA on the GPU lowers as an
+    elementwise multiply of the whole weight plus a reduction (~3x the weight's bytes).
+    """
 
     attn_norm: jax.Array  # [L, h]
-    wq: jax.Array  # [L, h, n*d]
-    wk: jax.Array  # [L, h, k*d]
-    wv: jax.Array  # [L, h, k*d]
+    w_qkv: jax.Array  # [L, h, (n + 2k)*d]: columns q | k | v
     wo: jax.Array  # [L, n*d, h]
     mlp_norm: jax.Array  # [L, h]
-    w_gate: jax.Array  # [L, h, f]
-    w_up: jax.Array  # [L, h, f]
+    w_gate_up: jax.Array  # [L, h, 2f]: columns gate | up
     w_down: jax.Array  # [L, f, h]
     q_norm: jax.Array | None = None  # [L, d], Qwen3 only
     k_norm: jax.Array | None = None  # [L, d], Qwen3 only
+
+
+# Fused field -> the checkpoint projections it holds, in column order.
+FUSED = {"w_qkv": ("wq", "wk", "wv"), "w_gate_up": ("w_gate", "w_up")}
+
+
+def fused_widths(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Column widths of each fused field's parts, in `FUSED` order."""
+    n, k, d, f = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
+    return {"w_qkv": (n * d, k * d, k * d), "w_gate_up": (f, f)}
 
 
 @struct.dataclass
@@ -80,9 +106,11 @@ def _layer(cfg: ModelConfig, spec: AttnSpec, cos, sin, positions):
         lp, layer_inputs, li = xs
         b, t, _ = x.shape
         h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
-        q = jnp.einsum("bth,hn->btn", h, lp.wq).reshape(b, t, k_heads * g, d)
-        k = jnp.einsum("bth,hn->btn", h, lp.wk).reshape(b, t, k_heads, d)
-        v = jnp.einsum("bth,hn->btn", h, lp.wv).reshape(b, t, k_heads, d)
+        qkv = jnp.einsum("bth,hn->btn", h, lp.w_qkv)  # [b, t, (n + 2k)*d]
+        nq, nk = k_heads * g * d, k_heads * d
+        q = qkv[..., :nq].reshape(b, t, k_heads * g, d)
+        k = qkv[..., nq:nq + nk].reshape(b, t, k_heads, d)
+        v = qkv[..., nq + nk:].reshape(b, t, k_heads, d)
         if cfg.qk_norm:
             q = rms_norm(q, lp.q_norm, cfg.rms_norm_eps)
             k = rms_norm(k, lp.k_norm, cfg.rms_norm_eps)
@@ -92,8 +120,8 @@ def _layer(cfg: ModelConfig, spec: AttnSpec, cos, sin, positions):
         o, aux = attention(spec, q, k_cache, v_cache, li, positions, layer_inputs)
         x = x + jnp.einsum("btn,nh->bth", o.reshape(b, t, -1).astype(x.dtype), lp.wo)
         h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
-        gate = jnp.einsum("bth,hf->btf", h, lp.w_gate)
-        up = jnp.einsum("bth,hf->btf", h, lp.w_up)
+        gate_up = jnp.einsum("bth,hf->btf", h, lp.w_gate_up)  # [b, t, 2f]
+        gate, up = gate_up[..., :cfg.intermediate_size], gate_up[..., cfg.intermediate_size:]
         x = x + jnp.einsum("btf,fh->bth", jax.nn.silu(gate) * up, lp.w_down)
         return (x, k_cache, v_cache), aux
 
@@ -122,11 +150,23 @@ def forward(
     x = params.embed[tokens]  # [b, t, h]
     cos, sin = rope_tables(cfg, positions)
     step = _layer(cfg, spec, cos, sin, positions)
-    xs = (params.layers, per_layer_inputs(spec), jnp.arange(cfg.num_layers))
-    # VEGAS_LAYER_UNROLL (experiment knob): unrolled layers turn the per-layer dynamic
-    # slices of the stacked weights into static ones.
-    unroll = int(os.environ.get("VEGAS_LAYER_UNROLL", "1"))
-    (x, k_cache, v_cache), aux = lax.scan(step, (x, cache.k, cache.v), xs, unroll=unroll)
+    if isinstance(params.layers, LayerParams):
+        xs = (params.layers, per_layer_inputs(spec), jnp.arange(cfg.num_layers))
+        # VEGAS_LAYER_UNROLL (experiment knob): unrolled layers turn the per-layer dynamic
+        # slices of the stacked weights into static ones.
+        unroll = int(os.environ.get("VEGAS_LAYER_UNROLL", "1"))
+        (x, k_cache, v_cache), aux = lax.scan(step, (x, cache.k, cache.v), xs, unroll=unroll)
+    else:
+        # Per-layer weights (see `unstack_layers`): a Python loop, so each layer's matmuls
+        # read their own buffers instead of a dynamic slice of a stacked array.
+        carry, auxs = (x, cache.k, cache.v), []
+        inputs = per_layer_inputs(spec)
+        for li, lp in enumerate(params.layers):
+            layer_in = jax.tree.map(lambda a, i=li: a[i], inputs)
+            carry, a = step(carry, (lp, layer_in, jnp.int32(li)))
+            auxs.append(a)
+        x, k_cache, v_cache = carry
+        aux = None if auxs[0] is None else jax.tree.map(lambda *a: jnp.stack(a), *auxs)
     if logits_at is not None:
         x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)  # [b, 1, h]
     x = rms_norm(x, params.final_norm, cfg.rms_norm_eps)
@@ -153,13 +193,10 @@ def init_params(cfg: ModelConfig, key, dtype=jnp.bfloat16, scale: float = 0.02) 
     def make():
         layers = LayerParams(
             attn_norm=jnp.ones((L, h), dtype),
-            wq=normal((L, h, n * d)),
-            wk=normal((L, h, kv * d)),
-            wv=normal((L, h, kv * d)),
+            w_qkv=normal((L, h, (n + 2 * kv) * d)),
             wo=normal((L, n * d, h)),
             mlp_norm=jnp.ones((L, h), dtype),
-            w_gate=normal((L, h, f)),
-            w_up=normal((L, h, f)),
+            w_gate_up=normal((L, h, 2 * f)),
             w_down=normal((L, f, h)),
             q_norm=jnp.ones((L, d), dtype) if cfg.qk_norm else None,
             k_norm=jnp.ones((L, d), dtype) if cfg.qk_norm else None,
@@ -172,6 +209,20 @@ def init_params(cfg: ModelConfig, key, dtype=jnp.bfloat16, scale: float = 0.02) 
         )
 
     return jax.jit(make)()
+
+
+def unstack_layers(params: Params) -> Params:
+    """The same weights with `layers` as a tuple of per-layer LayerParams.
+
+    `forward` then loops over layers in Python: longer compiles, but no dynamic slice of
+    a stacked weight sits between HBM and the matmul.
+    """
+    layers = params.layers
+    if not isinstance(layers, LayerParams):
+        return params
+    n = layers.w_qkv.shape[0]
+    split = jax.jit(lambda ls: tuple(jax.tree.map(lambda a, i=i: a[i], ls) for i in range(n)))
+    return params.replace(layers=split(layers))
 
 
 def param_dtype(params: Params):

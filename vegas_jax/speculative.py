@@ -3,7 +3,6 @@ own attention, lossless acceptance. One jitted round; the Python loop only strea
 
 from __future__ import annotations
 
-import functools
 import time
 from typing import Callable
 
@@ -20,7 +19,7 @@ from vegas_jax.config import ModelConfig
 from vegas_jax.generate import (
     DecodeClock, GenerationResult, TokenCollector, decode_text, eos_ids, generate, prefill_prompts, start,
 )
-from vegas_jax.model import forward
+from vegas_jax.model import forward, model_jit
 from vegas_jax.sampling import SamplingParams, accept, sample
 from vegas_jax.selection import SpecConfig
 
@@ -127,9 +126,7 @@ def select_phase(state: SpecState, scores, n, n_acc, spec: SpecConfig) -> SpecSt
     return state
 
 
-@functools.partial(
-    jax.jit, static_argnames=("cfg", "spec", "sp", "impl"), donate_argnames=("state",)
-)
+@model_jit(static_argnames=("cfg", "spec", "sp", "impl"), donate_argnames=("state",))
 def spec_round(params, cfg: ModelConfig, state: SpecState, active, spec: SpecConfig,
                sp: SamplingParams, impl: str):
     """One round: gamma sparse drafts, one verify, acceptance, the next selection.
