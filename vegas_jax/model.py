@@ -27,8 +27,9 @@ from vegas_jax.config import ModelConfig, rope_inv_freq
 # Decode-shaped matmuls (a few rows against a large weight) through XLA's Triton GEMM
 # read weights at ~1.1 TB/s on the H200; through cuBLAS at 2.4-2.8 TB/s, and a Qwen3-8B
 # decode step drops from 14.3 to 7.9 ms (BENCHMARKS.md, "Weight reads"). The option is
-# ignored by the CPU backend.
-COMPILER_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
+# ignored by the CPU backend. VEGAS_TRITON_GEMM=1 keeps XLA's default (for comparisons).
+COMPILER_OPTIONS = ({} if os.environ.get("VEGAS_TRITON_GEMM") == "1"
+                    else {"xla_gpu_enable_triton_gemm": False})
 
 
 def model_jit(fun=None, **kwargs):
