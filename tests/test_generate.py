@@ -64,3 +64,41 @@ def test_bad_arguments():
         generate(m, [[1]], 4, sampling={"temperature": 1.0})
     with pytest.raises(ValueError, match="attn_impl"):
         generate(m, [[1]], 4, attn_impl="cuda")
+
+
+@pytest.mark.parametrize("chunk", [64, 128])
+def test_chunked_prefill_equals_whole(chunk):
+    m = tiny_model(scale=0.3)
+    cfg = m.config
+    rng = np.random.default_rng(3)
+    ids = [rng.integers(0, 100, size=n).tolist() for n in (150, 170, 191)]  # one 192 bucket
+    toks, lens = gen.pad_prompts(ids)
+
+    def run(c):
+        cache = gen.init_cache(cfg, len(ids), 384, jnp.float32)
+        return gen.prefill(m.params, cfg, toks, lens, cache, "xla", True, c)
+
+    (lw, cw, sw), (lc, cc, sc) = run(None), run(chunk)
+    np.testing.assert_allclose(np.asarray(lc), np.asarray(lw), atol=2e-5)
+    np.testing.assert_allclose(np.asarray(sc), np.asarray(sw), atol=2e-5)
+    for i, n in enumerate(lens.tolist()):  # the kept entries; padding slots may differ
+        np.testing.assert_allclose(np.asarray(cc.k[:, i, :, :n]), np.asarray(cw.k[:, i, :, :n]),
+                                   atol=2e-5)
+    assert gen.prefill_chunk(2, 192) == 192
+    c = gen.prefill_chunk(1024, 8192)
+    assert c % gen.PROMPT_BUCKET == 0 and 1024 * c <= gen.PREFILL_TOKENS + 1024 * 64
+
+
+def test_compiler_options_by_width(monkeypatch):
+    from vegas_jax.model import compiler_options
+
+    monkeypatch.delenv("VEGAS_TRITON_GEMM", raising=False)
+    small = tiny_model().config
+    from vegas_jax.config import get_config
+
+    assert compiler_options(small) == {}
+    assert compiler_options(get_config("qwen3-8b")) == {"xla_gpu_enable_triton_gemm": False}
+    monkeypatch.setenv("VEGAS_TRITON_GEMM", "1")
+    assert compiler_options(get_config("qwen3-8b")) == {}
+    monkeypatch.setenv("VEGAS_TRITON_GEMM", "0")
+    assert compiler_options(small) == {"xla_gpu_enable_triton_gemm": False}

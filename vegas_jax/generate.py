@@ -22,6 +22,7 @@ from vegas_jax.sampling import SamplingParams, sample
 
 PROMPT_BUCKET = 64  # prompts are padded to a multiple of this: fewer compilations
 LEN_BUCKET = 128  # cache lengths are rounded up to this
+PREFILL_TOKENS = 64 * 1024  # query tokens per prefill step across the batch (activations)
 
 
 @dataclasses.dataclass
@@ -94,8 +95,9 @@ def check_memory(model, batch: int, max_len: int, prompt_len: int):
     cfg = model.config
     kv = cache_bytes(cfg, batch, max_len, param_dtype(model.params))
     # Largest transients: prefill activations and the chunked attention logits.
-    act = batch * prompt_len * (cfg.hidden_size * 4 + cfg.intermediate_size * 3) * 4
-    att = batch * cfg.num_heads * min(prompt_len, 512) * max_len * 4 * 3
+    q_len = prefill_chunk(batch, _round_up(prompt_len, PROMPT_BUCKET))
+    act = batch * q_len * (cfg.hidden_size * 4 + cfg.intermediate_size * 3) * 4
+    att = batch * cfg.num_heads * min(q_len, 512) * max_len * 4 * 3
     logits = batch * cfg.vocab_size * 4 * 4
     need = kv + act + att + logits
     free = available_bytes()
@@ -119,9 +121,21 @@ def pad_prompts(prompts: list[list[int]]):
     return jnp.asarray(toks), jnp.asarray(lens)
 
 
-@model_jit(static_argnames=("cfg", "impl", "capture"), donate_argnames=("cache",))
-def prefill(params, cfg: ModelConfig, tokens, lens, cache: KVCache, impl: str, capture: bool):
-    """Full causal attention over the (right-padded) prompts.
+def prefill_chunk(batch: int, width: int) -> int:
+    """Query tokens per sequence per prefill step: the whole prompt unless the batch holds
+    more than PREFILL_TOKENS of them, then equal slices (multiples of PROMPT_BUCKET), so the
+    activations stay bounded however large the batch."""
+    if batch * width <= PREFILL_TOKENS:
+        return width
+    n = -(-batch * width // PREFILL_TOKENS)
+    return max(PROMPT_BUCKET, _round_up(-(-width // n), PROMPT_BUCKET))
+
+
+@model_jit(static_argnames=("cfg", "impl", "capture", "chunk"), donate_argnames=("cache",))
+def prefill(params, cfg: ModelConfig, tokens, lens, cache: KVCache, impl: str, capture: bool,
+            chunk: int | None = None):
+    """Full causal attention over the (right-padded) prompts, `chunk` query tokens at a
+    time (a scan; each slice attends to the cache the earlier ones wrote).
 
     Returns (logits of each prompt's last token [b, v], cache with lengths = lens, scores):
     with `capture`, the last prompt token is run once more as a one-row verify whose
@@ -130,15 +144,31 @@ def prefill(params, cfg: ModelConfig, tokens, lens, cache: KVCache, impl: str, c
     query can see them (every query sees only positions <= its own).
     """
     b, t = tokens.shape
-    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    logits, cache, _ = forward(params, cfg, tokens, pos, cache, AttnSpec(impl=impl),
-                               logits_at=lens - 1)
+    chunk = min(chunk or t, t)
+    n = -(-t // chunk)
+    tokens = jnp.pad(tokens, ((0, 0), (0, n * chunk - t)))
+    spec = AttnSpec(impl=impl)
+
+    def step(carry, c):
+        cache, last = carry
+        toks = lax.dynamic_slice_in_dim(tokens, c * chunk, chunk, axis=1)  # [b, chunk]
+        pos = c * chunk + jnp.broadcast_to(jnp.arange(chunk, dtype=jnp.int32), (b, chunk))
+        at = jnp.clip(lens - 1 - c * chunk, 0, chunk - 1)
+        logits, cache, _ = forward(params, cfg, toks, pos, cache, spec, logits_at=at)
+        mine = (lens - 1) // chunk == c  # this slice holds the prompt's last token
+        return (cache, jnp.where(mine[:, None], logits[:, 0], last)), None
+
+    init = (cache, jnp.zeros((b, cfg.vocab_size), jnp.float32))
+    if n == 1:
+        (cache, logits), _ = step(init, jnp.int32(0))
+    else:
+        (cache, logits), _ = lax.scan(step, init, jnp.arange(n, dtype=jnp.int32))
     scores = None
     if capture:
         last = jnp.take_along_axis(tokens, (lens - 1)[:, None], axis=1)
         spec = AttnSpec(impl=impl, capture="mean", capture_rows=(0,))
-        logits, cache, scores = forward(params, cfg, last, (lens - 1)[:, None], cache, spec)
-    return logits[:, 0], cache.replace(lengths=lens), scores
+        _, cache, scores = forward(params, cfg, last, (lens - 1)[:, None], cache, spec)
+    return logits, cache.replace(lengths=lens), scores
 
 
 @model_jit(static_argnames=("cfg", "sp", "impl", "n_steps"), donate_argnames=("cache",))
@@ -275,14 +305,16 @@ def prefill_prompts(params, cfg, ids: list[list[int]], cache: KVCache, impl: str
     lens = jnp.asarray([len(p) for p in ids], jnp.int32)
     if len(groups) == 1:
         tokens, _ = pad_prompts(ids)
-        return prefill(params, cfg, tokens, lens, cache, impl, capture)
+        chunk = prefill_chunk(*tokens.shape)
+        return prefill(params, cfg, tokens, lens, cache, impl, capture, chunk)
     logits = [None] * len(ids)
     scores = [None] * len(ids)
     for rows in groups.values():
         tokens, sub_lens = pad_prompts([ids[r] for r in rows])
         r = jnp.asarray(rows)
         sub = KVCache(k=cache.k[:, r], v=cache.v[:, r], lengths=sub_lens)
-        lg, sub, sc = prefill(params, cfg, tokens, sub_lens, sub, impl, capture)
+        lg, sub, sc = prefill(params, cfg, tokens, sub_lens, sub, impl, capture,
+                              prefill_chunk(*tokens.shape))
         cache = _put_rows(cache, sub, r)
         for j, row in enumerate(rows):
             logits[row] = lg[j]

@@ -12,6 +12,7 @@ Einsum letters, used throughout the package:
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 
 import jax
@@ -24,19 +25,43 @@ from vegas_jax.attention import AttnSpec, attention, per_layer_inputs
 from vegas_jax.cache import KVCache, write_kv
 from vegas_jax.config import ModelConfig, rope_inv_freq
 
-# Decode-shaped matmuls (a few rows against a large weight) through XLA's Triton GEMM
-# read weights at ~1.1 TB/s on the H200; through cuBLAS at 2.4-2.8 TB/s, and a Qwen3-8B
-# decode step drops from 14.3 to 7.9 ms (BENCHMARKS.md, "Weight reads"). The option is
-# ignored by the CPU backend. VEGAS_TRITON_GEMM=1 keeps XLA's default (for comparisons).
-COMPILER_OPTIONS = ({} if os.environ.get("VEGAS_TRITON_GEMM") == "1"
-                    else {"xla_gpu_enable_triton_gemm": False})
+# Which GEMM emitter XLA uses on the GPU, by model width (H200, BENCHMARKS.md "Weight
+# reads"). Qwen3-8B (hidden 4096): decode-shaped matmuls (a few rows against a large
+# weight) through XLA's Triton GEMM read weights at ~1.1 TB/s, through cuBLAS at 2.4-4.3;
+# a B=1/32K decode step goes 14.3 -> 7.9 ms. SmolLM2 (hidden 576): the Triton GEMM wins
+# (B=16/7.7K Vegas 7847 vs 5304 tok/s): its fusions save launches that dominate there.
+# Measured at those two widths only; the cut between them is a guess. VEGAS_TRITON_GEMM=1
+# or 0 forces one. CPU backends ignore the option.
+CUBLAS_MIN_HIDDEN = 2048
+
+
+def compiler_options(cfg: ModelConfig) -> dict:
+    env = os.environ.get("VEGAS_TRITON_GEMM")
+    triton = env == "1" if env in ("0", "1") else cfg.hidden_size < CUBLAS_MIN_HIDDEN
+    return {} if triton else {"xla_gpu_enable_triton_gemm": False}
 
 
 def model_jit(fun=None, **kwargs):
-    """`jax.jit` with the compiler options every function that runs the model uses."""
+    """`jax.jit` for functions with a `cfg` argument: compiled with `compiler_options(cfg)`
+    (one jitted variant per option set)."""
     if fun is None:
         return functools.partial(model_jit, **kwargs)
-    return jax.jit(fun, compiler_options=COMPILER_OPTIONS, **kwargs)
+    sig = inspect.signature(fun)
+    variants: dict = {}
+
+    def pick(*args, **kw):
+        opts = compiler_options(sig.bind_partial(*args, **kw).arguments["cfg"])
+        key = tuple(sorted(opts.items()))
+        if key not in variants:
+            variants[key] = jax.jit(fun, compiler_options=opts, **kwargs)
+        return variants[key]
+
+    @functools.wraps(fun)
+    def call(*args, **kw):
+        return pick(*args, **kw)(*args, **kw)
+
+    call.lower = lambda *args, **kw: pick(*args, **kw).lower(*args, **kw)
+    return call
 
 
 @struct.dataclass
@@ -151,23 +176,11 @@ def forward(
     x = params.embed[tokens]  # [b, t, h]
     cos, sin = rope_tables(cfg, positions)
     step = _layer(cfg, spec, cos, sin, positions)
-    if isinstance(params.layers, LayerParams):
-        xs = (params.layers, per_layer_inputs(spec), jnp.arange(cfg.num_layers))
-        # VEGAS_LAYER_UNROLL (experiment knob): unrolled layers turn the per-layer dynamic
-        # slices of the stacked weights into static ones.
-        unroll = int(os.environ.get("VEGAS_LAYER_UNROLL", "1"))
-        (x, k_cache, v_cache), aux = lax.scan(step, (x, cache.k, cache.v), xs, unroll=unroll)
-    else:
-        # Per-layer weights (see `unstack_layers`): a Python loop, so each layer's matmuls
-        # read their own buffers instead of a dynamic slice of a stacked array.
-        carry, auxs = (x, cache.k, cache.v), []
-        inputs = per_layer_inputs(spec)
-        for li, lp in enumerate(params.layers):
-            layer_in = jax.tree.map(lambda a, i=li: a[i], inputs)
-            carry, a = step(carry, (lp, layer_in, jnp.int32(li)))
-            auxs.append(a)
-        x, k_cache, v_cache = carry
-        aux = None if auxs[0] is None else jax.tree.map(lambda *a: jnp.stack(a), *auxs)
+    xs = (params.layers, per_layer_inputs(spec), jnp.arange(cfg.num_layers))
+    # VEGAS_LAYER_UNROLL (experiment knob): unrolled layers turn the per-layer dynamic
+    # slices of the stacked weights into static ones.
+    unroll = int(os.environ.get("VEGAS_LAYER_UNROLL", "1"))
+    (x, k_cache, v_cache), aux = lax.scan(step, (x, cache.k, cache.v), xs, unroll=unroll)
     if logits_at is not None:
         x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)  # [b, 1, h]
     x = rms_norm(x, params.final_norm, cfg.rms_norm_eps)
@@ -210,20 +223,6 @@ def init_params(cfg: ModelConfig, key, dtype=jnp.bfloat16, scale: float = 0.02) 
         )
 
     return jax.jit(make)()
-
-
-def unstack_layers(params: Params) -> Params:
-    """The same weights with `layers` as a tuple of per-layer LayerParams.
-
-    `forward` then loops over layers in Python: longer compiles, but no dynamic slice of
-    a stacked weight sits between HBM and the matmul.
-    """
-    layers = params.layers
-    if not isinstance(layers, LayerParams):
-        return params
-    n = layers.w_qkv.shape[0]
-    split = jax.jit(lambda ls: tuple(jax.tree.map(lambda a, i=i: a[i], ls) for i in range(n)))
-    return params.replace(layers=split(layers))
 
 
 def param_dtype(params: Params):
