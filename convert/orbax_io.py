@@ -14,17 +14,18 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from convert.common import (
-    config_from_json, config_to_json, dtype_name, np_dtype, params_from_dict, params_shapes,
-    params_to_dict,
+    config_from_json, config_to_json, dtype_name, layer_shapes, np_dtype, params_from_dict,
+    params_shapes, params_to_dict,
 )
 from vegas_jax.config import ModelConfig
-from vegas_jax.model import Params
+from vegas_jax.model import FUSED, Params
 
 FORMAT = "vegas_jax"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: Q/K/V and gate/up stored fused (model.FUSED); 1: separate
 
 
 def is_orbax_checkpoint(path: str | Path) -> bool:
@@ -66,7 +67,7 @@ def save_orbax_checkpoint(
     return out
 
 
-def read_orbax_config(path: str | Path) -> ModelConfig:
+def _read_meta(path: str | Path) -> dict:
     meta = json.loads((Path(path) / "config.json").read_text())
     if meta.get("format") != FORMAT:
         raise ValueError(f"{path} is not a vegas_jax checkpoint (config.json has no format={FORMAT!r})")
@@ -74,7 +75,28 @@ def read_orbax_config(path: str | Path) -> ModelConfig:
         raise ValueError(
             f"{path} was written by a newer vegas_jax (format_version {meta['format_version']})"
         )
-    return config_from_json(meta["config"])
+    return meta
+
+
+def read_orbax_config(path: str | Path) -> ModelConfig:
+    return config_from_json(_read_meta(path)["config"])
+
+
+def _stored_shapes(cfg: ModelConfig, version: int) -> dict:
+    """The params tree's shapes as a checkpoint of `version` stores them."""
+    shapes = params_shapes(cfg)
+    if version < 2:  # separate projections
+        L = cfg.num_layers
+        parts = layer_shapes(cfg)
+        shapes["layers"] = {k: (L, *s) for k, s in parts.items()}
+    return shapes
+
+
+def _fuse_v1(layers: dict, concatenate) -> dict:
+    out = dict(layers)
+    for name, parts in FUSED.items():
+        out[name] = concatenate([out.pop(p) for p in parts], axis=-1)
+    return out
 
 
 def load_orbax_checkpoint(
@@ -85,9 +107,11 @@ def load_orbax_checkpoint(
     import orbax.checkpoint as ocp
 
     path = Path(path).absolute()
-    cfg = read_orbax_config(path)
+    meta = _read_meta(path)
+    cfg = config_from_json(meta["config"])
+    version = meta.get("format_version", 1)
     dt = np_dtype(dtype)
-    shapes = params_shapes(cfg)
+    shapes = _stored_shapes(cfg, version)
     sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0]) if device else None
     target = jax.tree.map(
         lambda s: jax.ShapeDtypeStruct(s, dt, sharding=sharding),
@@ -105,6 +129,8 @@ def load_orbax_checkpoint(
                     f"(stored {jax.tree.structure(got)}, config {jax.tree.structure(shapes)})"
                 )
         tree = ck.restore(path / "params", target)
+    if version < 2:
+        tree["layers"] = _fuse_v1(tree["layers"], jnp.concatenate if device else np.concatenate)
     return cfg, params_from_dict(tree)
 
 

@@ -94,6 +94,36 @@ def test_orbax_round_trip_random_params(tmp_path):
         assert isinstance(back.embed, jax.Array)
 
 
+def test_orbax_format_v1_separate_projections_still_loads(tmp_path):
+    """Checkpoints written before the fused layout (format_version 1) load, fused on read."""
+    import json
+
+    import orbax.checkpoint as ocp
+
+    from convert.common import params_to_dict
+    from vegas_jax.model import FUSED, fused_widths, init_params
+
+    cfg = dataclasses.replace(REGISTRY["qwen3-0.6b"], name="tiny", vocab_size=96, hidden_size=32,
+                              intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
+                              head_dim=8)
+    params = init_params(cfg, jax.random.key(2), jnp.float32)
+    out = save_orbax_checkpoint(tmp_path / "v2", cfg, params)
+    tree = jax.tree.map(np.asarray, params_to_dict(params))
+    for name, parts in FUSED.items():  # rewrite as version 1 would have stored it
+        cuts = np.cumsum(fused_widths(cfg)[name])[:-1]
+        tree["layers"].update(zip(parts, np.split(tree["layers"].pop(name), cuts, axis=-1)))
+    v1 = tmp_path / "v1"
+    v1.mkdir()
+    with ocp.StandardCheckpointer() as ck:
+        ck.save(v1 / "params", tree)
+    meta = json.loads((out / "config.json").read_text())
+    meta["format_version"] = 1
+    (v1 / "config.json").write_text(json.dumps(meta))
+    for device in (True, False):
+        _, back = load_orbax_checkpoint(v1, jnp.float32, device=device)
+        assert_params_identical(params, back)
+
+
 def test_convert_cli_hf_to_orbax(hf_with_tokenizer, tmp_path, capsys):
     out = tmp_path / "conv"
     assert convert_main(["--checkpoint", str(hf_with_tokenizer), "--out", str(out),
