@@ -98,3 +98,46 @@ def test_broken_residual_is_detected(monkeypatch):
     monkeypatch.setattr(sampling, "residual", lambda p, q: p)
     pv1, _ = distribution_pvalues()
     assert pv1 < 1e-6, pv1
+
+
+def test_sparse_q_gives_the_same_acceptance_as_dense():
+    """accept() with draft_sample's (indices, probabilities) form of q decides exactly as
+    with the same q spread over the vocabulary (same keys, same outcome)."""
+    rng = np.random.default_rng(5)
+    b, g, v, k = 64, 3, 40, 5
+    sp = SamplingParams(0.9, k, 0.9)
+    draft_logits = jnp.asarray(rng.normal(size=(b, g, v)) * 2, jnp.float32)
+    target = jnp.asarray(rng.normal(size=(b, g + 1, v)) * 2, jnp.float32)
+    keys = jax.random.split(jax.random.PRNGKey(3), g)
+    toks, q_idx, q_val = [], [], []
+    for j in range(g):
+        t, (i, pv) = sampling.draft_sample(keys[j], draft_logits[:, j], sp)
+        toks.append(t), q_idx.append(i), q_val.append(pv)
+    drafts = jnp.stack(toks, 1)
+    sparse = (jnp.stack(q_idx, 1), jnp.stack(q_val, 1))
+    dense = jnp.zeros((b, g, v)).at[jnp.arange(b)[:, None, None], jnp.arange(g)[None, :, None],
+                                    sparse[0]].set(sparse[1])
+    # the sparse law is the processed distribution (no ties in random normal logits)
+    np.testing.assert_allclose(np.asarray(dense), np.exp(np.asarray(
+        process_logits(draft_logits, sp))), atol=1e-6)
+    assert bool(jnp.all(jnp.take_along_axis(dense, drafts[..., None], -1) > 0))
+    for seed in range(3):
+        key = jax.random.PRNGKey(seed)
+        n1, x1 = accept(key, drafts, sparse, target, sp)
+        n2, x2 = accept(key, drafts, dense, target, sp)
+        assert n1.tolist() == n2.tolist() and x1.tolist() == x2.tolist()
+    assert 0 < int(n1.sum()) < b * g  # both accepted and rejected drafts occur
+
+
+def test_draft_sample_top_k_distribution():
+    rng = np.random.default_rng(6)
+    logits = jnp.asarray(rng.normal(size=(1, 50)) * 1.5, jnp.float32)
+    sp = SamplingParams(0.8, 8, 0.9, 0.02)
+    n = 100_000
+    toks, _ = jax.vmap(lambda kk: sampling.draft_sample(kk, logits[0], sp))(
+        jax.random.split(jax.random.PRNGKey(0), n))
+    want = numpy_process(np.asarray(logits), sp)[0]
+    counts = np.bincount(np.asarray(toks), minlength=50)
+    assert counts[want == 0].sum() == 0
+    keep = want > 0
+    assert stats.chisquare(counts[keep], want[keep] * n).pvalue > 1e-4

@@ -88,18 +88,23 @@ def test_topk_selection_ranks_only_the_ranked_range():
     assert sorted(np.asarray(idx[0, 0, :2]).tolist()) == [1, 3]
 
 
-def softmax64(x):
-    x = np.asarray(x, np.float64)
+def softmax64(x, sp: SamplingParams):
+    """The processed law (temperature 1, optional top-k) in float64."""
+    x = np.asarray(x, np.float64).copy()
+    if sp.top_k:
+        x[x < np.sort(x)[::-1][sp.top_k - 1]] = -np.inf
     e = np.exp(x - x.max())
     return e / e.sum()
 
 
-def test_sampled_output_has_target_distribution():
+@pytest.mark.parametrize("sp", [SamplingParams(1.0), SamplingParams(1.0, top_k=5)],
+                         ids=["dense-q", "top-k-sparse-q"])
+def test_sampled_output_has_target_distribution(sp):
     """Many independent rows of one prompt; the first two tokens decoded after the
-    prompt's own must follow the model's exact joint law."""
+    prompt's own must follow the model's exact joint law (of the processed distribution:
+    with top-k the draft's q takes its sparse form)."""
     m = tiny_model(vocab=8, scale=0.5, seed=3)
     prompt = [1, 2, 3, 4, 5]
-    sp = SamplingParams(1.0)
     n_rows = 4000
     res = speculative_generate(m, [prompt] * n_rows, 3,
                                SpecConfig(gamma=2, sparsity=0.5, min_tokens=2), sp, seed=1)
@@ -110,12 +115,12 @@ def test_sampled_output_has_target_distribution():
     ctx = jnp.array([prompt + [int(t0)]])
     cache = init_cache(m.config, 1, 16, jnp.float32)
     logits, _, _ = forward(m.params, m.config, ctx, jnp.arange(6)[None], cache, AttnSpec())
-    p1 = softmax64(logits[0, -1])
+    p1 = softmax64(logits[0, -1], sp)
     joint = np.zeros((8, 8))
     for a in range(8):
         c2 = jnp.array([prompt + [int(t0), a]])
         lg, _, _ = forward(m.params, m.config, c2, jnp.arange(7)[None], cache, AttnSpec())
-        joint[a] = p1[a] * softmax64(lg[0, -1])
+        joint[a] = p1[a] * softmax64(lg[0, -1], sp)
     observed = np.bincount(rows[:, 1] * 8 + rows[:, 2], minlength=64).astype(float)
     expected = joint.reshape(-1) / joint.sum() * len(rows)
     keep = expected > 5  # chi-square needs enough mass per cell; pool the rest

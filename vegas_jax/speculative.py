@@ -20,7 +20,7 @@ from vegas_jax.generate import (
     DecodeClock, GenerationResult, TokenCollector, decode_text, eos_ids, generate, prefill_prompts, start,
 )
 from vegas_jax.model import forward, model_jit
-from vegas_jax.sampling import SamplingParams, accept, sample
+from vegas_jax.sampling import SamplingParams, accept, draft_sample, sample
 from vegas_jax.selection import SpecConfig
 
 
@@ -76,7 +76,8 @@ def _draft_spec(spec: SpecConfig, state: SpecState, pos, impl, cfg, max_len):
 def draft_phase(params, cfg: ModelConfig, state: SpecState, key, spec: SpecConfig,
                 sp: SamplingParams, impl: str):
     """gamma sparse single-token steps (a scan). Each writes its K/V at its true position
-    (the verify rewrites them). Returns (cache, drafts [b, gamma], q [b, gamma, v] or None)."""
+    (the verify rewrites them). Returns (cache, drafts [b, gamma], q): q is None (greedy),
+    [b, gamma, v], or with top-k its sparse form ([b, gamma, k] indices, probabilities)."""
     n = state.cache.lengths
     max_len = state.cache.max_len
 
@@ -86,14 +87,14 @@ def draft_phase(params, cfg: ModelConfig, state: SpecState, key, spec: SpecConfi
         pos = n + j
         aspec = _draft_spec(spec, state, pos, impl, cfg, max_len)
         logits, cache, _ = forward(params, cfg, tok[:, None], pos[:, None], cache, aspec)
-        nxt, q = sample(k, logits[:, 0], sp)
+        nxt, q = draft_sample(k, logits[:, 0], sp)
         return (cache, nxt), (nxt, q)
 
     (cache, _), (drafts, q) = lax.scan(
         step, (state.cache, state.x0),
         (jnp.arange(spec.gamma, dtype=jnp.int32), jax.random.split(key, spec.gamma)),
     )
-    return cache, drafts.T, None if q is None else q.swapaxes(0, 1)
+    return cache, drafts.T, jax.tree.map(lambda a: a.swapaxes(0, 1), q)
 
 
 def verify_phase(params, cfg: ModelConfig, cache: KVCache, x0, drafts, spec: SpecConfig,
