@@ -141,3 +141,17 @@ def test_draft_sample_top_k_distribution():
     assert counts[want == 0].sum() == 0
     keep = want > 0
     assert stats.chisquare(counts[keep], want[keep] * n).pvalue > 1e-4
+
+
+@pytest.mark.parametrize("spread", [6.0, 0.3], ids=["candidates-cover", "falls-back-to-sort"])
+@pytest.mark.parametrize("sp", [SamplingParams(1.0, 0, 0.9), SamplingParams(0.7, 0, 0.5, 0.05)])
+def test_top_p_candidates_match_numpy(spread, sp, monkeypatch):
+    """Top-p ranks TOP_P_CANDIDATES logits first; with peaked logits those hold the
+    prefix, with flat ones the full sort runs. Either way the law is the reference's."""
+    monkeypatch.setattr(sampling, "TOP_P_CANDIDATES", 16)
+    logits = np.random.default_rng(1).normal(size=(5, 300)).astype(np.float32) * spread
+    want = numpy_process(logits, sp)
+    got = np.exp(np.asarray(process_logits(jnp.asarray(logits), sp)))
+    np.testing.assert_allclose(got, want, atol=1e-6)
+    kept = (want > 0).sum(-1)
+    assert (kept <= 16).all() if spread > 1 else (kept > 16).any()  # both regimes occur

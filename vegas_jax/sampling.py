@@ -40,6 +40,10 @@ class SamplingParams:
 
 jax.tree_util.register_static(SamplingParams)
 
+# Top-p without top-k ranks this many logits first (a TopK kernel instead of a sort of
+# the vocabulary: on the CPU, [64, 49152] took 624 ms sorted).
+TOP_P_CANDIDATES = 1024
+
 
 def process_logits(logits, sp: SamplingParams):
     """fp32 logits [..., v] -> log-probabilities of the processed distribution.
@@ -58,11 +62,29 @@ def process_logits(logits, sp: SamplingParams):
         top = None
     if sp.top_p < 1.0:
         # Keep the smallest prefix of the sorted distribution whose mass reaches top_p.
-        srt = top if top is not None else -jnp.sort(-x, axis=-1)
-        probs = jax.nn.softmax(srt, axis=-1)
-        before = jnp.cumsum(probs, axis=-1) - probs
-        keep = before < sp.top_p
-        thresh = jnp.min(jnp.where(keep, srt, jnp.inf), axis=-1, keepdims=True)
+        def threshold(srt, probs):
+            before = jnp.cumsum(probs, axis=-1) - probs
+            keep = before < sp.top_p
+            return jnp.min(jnp.where(keep, srt, jnp.inf), axis=-1, keepdims=True)
+
+        if top is not None:
+            thresh = threshold(top, jax.nn.softmax(top, axis=-1))
+        elif TOP_P_CANDIDATES < v:
+            # The prefix almost always lies in the few largest logits: rank only those,
+            # and sort the whole vocabulary only when some row's candidates fall short.
+            lse = jax.nn.logsumexp(x, axis=-1, keepdims=True)
+            cand = lax.optimization_barrier(lax.top_k(x, TOP_P_CANDIDATES)[0])
+            probs = jnp.exp(cand - lse)
+
+            def full():
+                srt = -jnp.sort(-x, axis=-1)
+                return threshold(srt, jnp.exp(srt - lse))
+
+            thresh = lax.cond(jnp.all(probs.sum(axis=-1) >= sp.top_p),
+                              lambda: threshold(cand, probs), full)
+        else:
+            srt = -jnp.sort(-x, axis=-1)
+            thresh = threshold(srt, jax.nn.softmax(srt, axis=-1))
         x = jnp.where(x < thresh, -jnp.inf, x)
     if sp.min_p > 0.0:
         logp = jax.nn.log_softmax(x, axis=-1)
