@@ -111,6 +111,15 @@ def field_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return out
 
 
+def split_fused(cfg: ModelConfig, fields: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """LayerParams fields (numpy, fused) -> the checkpoint projections `FUSED` holds."""
+    out = dict(fields)
+    for name, parts in FUSED.items():
+        cuts = np.cumsum(fused_widths(cfg)[name])[:-1]
+        out.update(zip(parts, np.split(out.pop(name), cuts, axis=-1)))
+    return out
+
+
 def params_shapes(cfg: ModelConfig) -> dict[str, Any]:
     """Nested dict of full shapes, the same keys as `params_to_dict`."""
     L = cfg.num_layers

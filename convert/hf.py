@@ -17,9 +17,11 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from convert.common import assemble, field_shapes, np_dtype, registry_match, stack_layers
+from convert.common import (
+    assemble, field_shapes, np_dtype, registry_match, split_fused, stack_layers,
+)
 from vegas_jax.config import ModelConfig, from_hf_config
-from vegas_jax.model import FUSED, Params, fused_widths
+from vegas_jax.model import Params
 
 _ST_DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
@@ -137,10 +139,8 @@ def to_hf_state_dict(cfg: ModelConfig, params: Params) -> dict[str, np.ndarray]:
     the same weights through transformers, e.g. as a benchmark reference)."""
     out = {"model.embed_tokens.weight": np.asarray(params.embed),
            "model.norm.weight": np.asarray(params.final_norm)}
-    fields = {f: np.asarray(getattr(params.layers, f)) for f in field_shapes(cfg)}
-    for name, ps in FUSED.items():
-        cuts = np.cumsum(fused_widths(cfg)[name])[:-1]
-        fields.update(zip(ps, np.split(fields.pop(name), cuts, axis=-1)))
+    fields = split_fused(cfg, {f: np.asarray(getattr(params.layers, f))
+                               for f in field_shapes(cfg)})
     for ours, (hf, transposed) in layer_names(cfg).items():
         stacked = fields[ours]
         for i in range(cfg.num_layers):

@@ -54,7 +54,7 @@ def report(agg: dict[str, list], label: str, per: int = 1, top: int = 20) -> Non
 def main(argv=None) -> int:
     from vegas_jax import speculative as S
     from vegas_jax.attention import default_impl
-    from vegas_jax.bench import synthetic_cache
+    from vegas_jax.bench import profile_cache
     from vegas_jax.config import get_config
     from vegas_jax.generate import decode_steps
     from vegas_jax.model import init_params
@@ -75,8 +75,7 @@ def main(argv=None) -> int:
     cfg = get_config(args.model)
     params = init_params(cfg, jax.random.PRNGKey(0))
     b = args.batch
-    cache = synthetic_cache(cfg, b, -(-(args.context + 4 * args.gamma + 1) // 128) * 128,
-                            args.context, jnp.bfloat16)
+    cache = profile_cache(cfg, b, args.context, args.gamma, jnp.bfloat16)
     sp, key = SamplingParams(), jax.random.PRNGKey(0)
     tok, active, lens = jnp.zeros((b,), jnp.int32), jnp.ones((b,), bool), cache.lengths + 0
     box = {"cache": cache}

@@ -100,8 +100,8 @@ def test_orbax_format_v1_separate_projections_still_loads(tmp_path):
 
     import orbax.checkpoint as ocp
 
-    from convert.common import params_to_dict
-    from vegas_jax.model import FUSED, fused_widths, init_params
+    from convert.common import params_to_dict, split_fused
+    from vegas_jax.model import init_params
 
     cfg = dataclasses.replace(REGISTRY["qwen3-0.6b"], name="tiny", vocab_size=96, hidden_size=32,
                               intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -109,9 +109,7 @@ def test_orbax_format_v1_separate_projections_still_loads(tmp_path):
     params = init_params(cfg, jax.random.key(2), jnp.float32)
     out = save_orbax_checkpoint(tmp_path / "v2", cfg, params)
     tree = jax.tree.map(np.asarray, params_to_dict(params))
-    for name, parts in FUSED.items():  # rewrite as version 1 would have stored it
-        cuts = np.cumsum(fused_widths(cfg)[name])[:-1]
-        tree["layers"].update(zip(parts, np.split(tree["layers"].pop(name), cuts, axis=-1)))
+    tree["layers"] = split_fused(cfg, tree["layers"])  # as version 1 stored it
     v1 = tmp_path / "v1"
     v1.mkdir()
     with ocp.StandardCheckpointer() as ck:

@@ -62,6 +62,12 @@ def synthetic_cache(cfg, batch: int, max_len: int, length: int, dtype) -> KVCach
                    lengths=jnp.full((batch,), length, jnp.int32))
 
 
+def profile_cache(cfg, batch: int, context: int, gamma: int, dtype) -> KVCache:
+    """A synthetic cache of `context` tokens with room for the rounds a profile runs."""
+    max_len = -(-(context + 4 * gamma + 1) // 128) * 128
+    return synthetic_cache(cfg, batch, max_len, context, dtype)
+
+
 def profile_round(model, ids_or_cache, spec: SpecConfig, sampling, impl: str, reps: int = 5):
     """Milliseconds of one round's phases on a live state: draft (all gamma steps), verify
     without capture, verify with capture, selection, the whole jitted round, and one
@@ -320,9 +326,7 @@ def run(args, model=None) -> list[dict]:
     rows = []
     base = None
     if profile_only:
-        cache = synthetic_cache(model.config, args.batch,
-                                -(-(args.context + 4 * args.gamma + 1) // 128) * 128,
-                                args.context, dt)
+        cache = profile_cache(model.config, args.batch, args.context, args.gamma, dt)
     else:
         prompts = _workload(model, args)
     if args.check_impls:

@@ -69,22 +69,22 @@ def process_logits(logits, sp: SamplingParams):
 
         if top is not None:
             thresh = threshold(top, jax.nn.softmax(top, axis=-1))
-        elif TOP_P_CANDIDATES < v:
-            # The prefix almost always lies in the few largest logits: rank only those,
-            # and sort the whole vocabulary only when some row's candidates fall short.
+        else:
             lse = jax.nn.logsumexp(x, axis=-1, keepdims=True)
-            cand = lax.optimization_barrier(lax.top_k(x, TOP_P_CANDIDATES)[0])
-            probs = jnp.exp(cand - lse)
 
             def full():
                 srt = -jnp.sort(-x, axis=-1)
                 return threshold(srt, jnp.exp(srt - lse))
 
-            thresh = lax.cond(jnp.all(probs.sum(axis=-1) >= sp.top_p),
-                              lambda: threshold(cand, probs), full)
-        else:
-            srt = -jnp.sort(-x, axis=-1)
-            thresh = threshold(srt, jax.nn.softmax(srt, axis=-1))
+            if TOP_P_CANDIDATES < v:
+                # The prefix almost always lies in the few largest logits: rank only
+                # those, and sort the vocabulary only when some row's candidates fall short.
+                cand = lax.optimization_barrier(lax.top_k(x, TOP_P_CANDIDATES)[0])
+                probs = jnp.exp(cand - lse)
+                thresh = lax.cond(jnp.all(probs.sum(axis=-1) >= sp.top_p),
+                                  lambda: threshold(cand, probs), full)
+            else:
+                thresh = full()
         x = jnp.where(x < thresh, -jnp.inf, x)
     if sp.min_p > 0.0:
         logp = jax.nn.log_softmax(x, axis=-1)
