@@ -37,36 +37,6 @@ def blockwise_topk(x, k, *, block=4096, oversample=2.0, fallback=True):
     return lax.cond(missed, lambda: tuple(lax.top_k(x, k)), lambda: (v2, idx.astype(jnp.int32)))
 
 
-def topk_indices(x, k, method="blockwise", **kw):
-    if method == "exact":
-        return lax.top_k(x, k)[1]
-    if method == "approx":
-        return lax.approx_max_k(x, k, recall_target=kw.get("recall_target", 0.95))[1]
-    if method == "blockwise":
-        return blockwise_topk(x, k, **kw)[1]
-    raise ValueError(method)
-
-
-def sort_topk(x, k):
-    """Exact: one two-operand sort (values descending, iota) and a slice."""
-    b, s = x.shape
-    iota = lax.broadcasted_iota(jnp.int32, (b, s), 1)
-    v, i = lax.sort((-x, iota), dimension=1, num_keys=1)
-    return -v[:, :k], i[:, :k]
-
-
-def packed_topk(x, k):
-    """Approximate (ranks by the top 15 bits of the score, ties -> lower index): one
-    single-operand uint32 sort. Needs s <= 2**17."""
-    b, s = x.shape
-    assert s <= 1 << 17
-    u = lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
-    mono = jnp.where(u >> 31 == 1, ~u, u | jnp.uint32(0x80000000))  # order-preserving
-    key = ~((mono >> 17) << 17 | lax.broadcasted_iota(jnp.uint32, (b, s), 1))
-    srt = lax.sort(key, dimension=1)
-    return (~srt[:, :k]) & jnp.uint32((1 << 17) - 1)
-
-
 # ---------------------------------------------------------------------------------------
 # Threshold (radix) select: exact top-k up to ties, no sort
 # ---------------------------------------------------------------------------------------

@@ -1,23 +1,30 @@
 """GPU benchmark for the Pallas kernels (one command, prints a table).
 
-    PYTHONPATH=. python3 pallas_kernels/bench.py [--quick]
+    PYTHONPATH=. python3 -m benchmarks.kernels [full|fast|focus] [--budget-s S] [--quick]
+        [--smoke] [--out DIR]
 
+full (the default mode):
 1. read ceiling (fused read-only reductions over 4 GiB, in-jit loops);
 2. correctness of every kernel vs its jnp reference on the GPU;
 3. a small tuning sweep, then verify attention (capture none / mean) at Qwen3-8B shapes
    (Hkv 8, G 4, D 128) vs the XLA reference and cuDNN; bandwidth as % of the ceiling;
 4. sparse attention at 7 % vs the dense (decode) kernel; 5. top-k cost; 6. prefill.
+fast: the second pass (multi-shape tuning sweep, pallas tables, top-k at 128K/32K; no
+XLA / cuDNN / prefill, which the full run already measured). focus: only the
+capture-overhead and one-call selection measurements (issue 4 follow-up).
 All timings: loops inside one jit, the layer index rotating over a cache of several
 layers (>= 2 GiB in all, so L2 cannot hold it), median of 3 timed runs / iterations.
+Writes bench_log.txt and bench.json under --out.
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
 import json
 import math
 import os
-import sys
+import textwrap
 import time
 
 import jax
@@ -25,26 +32,32 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pallas_kernels.sparse_attention import sparse_attention, sparse_attention_reference
-from pallas_kernels.topk import blockwise_topk, packed_topk, select_topk_fast, sort_topk
-from pallas_kernels.verify_attention import verify_attention, verify_attention_reference
+from pallas_kernels.sparse_attention import sparse_attention as _sparse_attention
+from pallas_kernels.sparse_attention import sparse_attention_reference
+from pallas_kernels.topk import blockwise_topk, select_topk_fast
+from pallas_kernels.verify_attention import verify_attention as _verify_attention
+from pallas_kernels.verify_attention import verify_attention_reference
 
-T0 = time.time()
-BUDGET = float(os.environ.get("BENCH_BUDGET_S", "540"))
-OUT = os.environ.get("OUT", "/tmp")
+MODES = {
+    "full": "ceiling, GPU correctness, a 10-variant tuning sweep at B=4/S=32K, verify at all "
+            "shapes vs XLA and cuDNN, sparse, top-k, prefill",
+    "fast": "second pass: a 7-variant tuning sweep at three shapes, then the pallas tables "
+            "with its winner and top-k at the two largest S; no XLA / cuDNN / prefill",
+    "focus": "only the capture overhead (none / weight / logit) at 8 verify shapes and the "
+             "one-call top-k over all layers (issue 4 follow-up)",
+}
+
+# The run's state: main() sets all of it (nothing runs at import time).
+T0 = 0.0  # start of the run (time.time())
+BUDGET = 540.0  # seconds; shapes that would not fit in what is left are skipped
+OUT = "/tmp"  # bench_log.txt and bench.json go here
 RESULTS = []
-LOG = open(os.path.join(OUT, "bench_log.txt"), "w")
-# BENCH_SMOKE=1: tiny shapes, interpret mode, to check the script itself on a CPU machine
-SMOKE = os.environ.get("BENCH_SMOKE") == "1"
-if SMOKE:
-    verify_attention = functools.partial(verify_attention, interpret=True)  # noqa: F811
-    sparse_attention = functools.partial(sparse_attention, interpret=True)  # noqa: F811
-GIB = 1024**3 if not SMOKE else 1024**2
-# BENCH_FAST=1: second-pass mode (multi-shape tuning sweep, pallas tables, top-k at 32K/128K;
-# no XLA / cuDNN / prefill, which the full run already measured)
-FAST = os.environ.get("BENCH_FAST") == "1"
-# BENCH_FOCUS=1: only the capture-overhead and selection measurements (issue 4 follow-up)
-FOCUS = os.environ.get("BENCH_FOCUS") == "1"
+LOG = None
+SMOKE = False  # tiny shapes, interpret mode, to check the script itself on a CPU machine
+GIB = 1024**3  # 1 MiB in smoke mode
+FAST = False  # the "fast" mode (second pass)
+verify_attention = _verify_attention  # with interpret=True in smoke mode
+sparse_attention = _sparse_attention
 
 
 def log(*a):
@@ -195,7 +208,8 @@ def correctness():
 
 
 # ---------------------------------------------------------------- verify timings
-def make_cache(b, s, kh=8, d=128, min_bytes=2 * GIB):
+def make_cache(b, s, kh=8, d=128, min_bytes=None):
+    min_bytes = 2 * GIB if min_bytes is None else min_bytes  # GIB is set by main()
     per_layer = 2 * b * kh * s * d * 2
     L = max(2, min(64, -(-min_bytes // per_layer)))
     key = jax.random.PRNGKey(b * 7 + s)
@@ -274,8 +288,58 @@ def reps_for(bytes_, bw):
     return int(max(8, min(400, 0.03 / max(est, 1e-6))))
 
 
-def main():
-    quick = "--quick" in sys.argv
+def build_parser():
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.kernels", description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="modes:\n" + "\n".join(textwrap.fill(d, 88, initial_indent=f"  {m:7}",
+                                                    subsequent_indent=" " * 9)
+                                      for m, d in MODES.items()))
+    p.add_argument("mode", nargs="?", default="full", choices=tuple(MODES),
+                   help="what to measure (default: full; see below)")
+    p.add_argument("--budget-s", type=float, default=540.0, metavar="S",
+                   help="wall-clock budget in seconds: shapes that would not fit in what is "
+                        "left are skipped (default: 540)")
+    p.add_argument("--quick", action="store_true",
+                   help="full / fast: one verify shape (B=4, S=32K, gamma 6) and no prefill; "
+                        "focus ignores it")
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny shapes and Pallas interpret mode: checks the script itself on a "
+                        "CPU machine (the numbers mean nothing)")
+    p.add_argument("--out", default="/tmp", metavar="DIR",
+                   help="directory for bench_log.txt and bench.json (default: /tmp)")
+    return p
+
+
+def main(argv=None) -> int:
+    global T0, BUDGET, OUT, RESULTS, LOG, SMOKE, GIB, FAST, verify_attention, sparse_attention
+    args = build_parser().parse_args(argv)
+    T0 = time.time()
+    BUDGET = args.budget_s
+    OUT = args.out
+    RESULTS = []
+    SMOKE = args.smoke
+    GIB = 1024**3 if not SMOKE else 1024**2
+    FAST = args.mode == "fast"
+    if SMOKE:
+        verify_attention = functools.partial(_verify_attention, interpret=True)
+        sparse_attention = functools.partial(_sparse_attention, interpret=True)
+    else:
+        verify_attention, sparse_attention = _verify_attention, _sparse_attention
+    os.makedirs(OUT, exist_ok=True)
+    with open(os.path.join(OUT, "bench_log.txt"), "w") as fh:
+        LOG = fh
+        try:
+            if args.mode == "focus":
+                focus_main()
+            else:
+                full_main(args.quick)
+        finally:
+            LOG = None
+    return 0
+
+
+def full_main(quick):
     log("device:", jax.devices()[0].device_kind, "jax", jax.__version__)
     ceil_bw = read_ceiling()
     log(f"read ceiling {ceil_bw / 1e12:.2f} TB/s")
@@ -328,9 +392,7 @@ def main():
             meths = {"top_k": lambda x: lax.top_k(x, k)[1],
                      "approx_max_k": lambda x: lax.approx_max_k(x, k, recall_target=0.95)[1],
                      "block1024": lambda x: blockwise_topk(x, k, block=1024)[1],
-                     "block4096": lambda x: blockwise_topk(x, k, block=4096)[1],
-                     "sort2": lambda x: sort_topk(x, k)[1],
-                     "packed": lambda x: packed_topk(x, k)}
+                     "block4096": lambda x: blockwise_topk(x, k, block=4096)[1]}
             for name, f in meths.items():
                 try:
                     run = jax.jit(lambda x, f=f: lax.fori_loop(
@@ -434,8 +496,9 @@ def main():
                 row[f"{impl}_err"] = repr(e)[:200]
         record(**row)
 
-    json.dump(dict(ceiling_tbps=ceil_bw / 1e12, best_tune=best, results=RESULTS),
-              open(os.path.join(OUT, "bench.json"), "w"), indent=1)
+    with open(os.path.join(OUT, "bench.json"), "w") as fh:
+        json.dump(dict(ceiling_tbps=ceil_bw / 1e12, best_tune=best, results=RESULTS), fh,
+                  indent=1)
     table(ceil_bw, best)
 
 
@@ -473,7 +536,7 @@ def table(ceil_bw, best):
         if r["kind"] == "topk":
             log(f"  B={r['B']:>2} S={r['S']:>6}: " + "  ".join(
                 f"{m} {f(r.get(m + '_us'))} ({f(r.get(m + '_recall'), 4)})"
-                for m in ("top_k", "approx_max_k", "block1024", "block4096", "sort2", "packed")))
+                for m in ("top_k", "approx_max_k", "block1024", "block4096")))
     for r in RESULTS:
         if r["kind"] == "prefill":
             log(f"prefill T={r['T']}: pallas {f(r.get('pallas_ms'), 2)} ms ({f(r.get('pallas_tflops'))} TF/s)"
@@ -564,8 +627,8 @@ def focus_main():
             record(**row)
         del kc, vc
 
-    json.dump(dict(ceiling_tbps=ceil_bw / 1e12, results=RESULTS),
-              open(os.path.join(OUT, "bench.json"), "w"), indent=1)
+    with open(os.path.join(OUT, "bench.json"), "w") as fh:
+        json.dump(dict(ceiling_tbps=ceil_bw / 1e12, results=RESULTS), fh, indent=1)
     f = lambda v, p=1: "-" if v is None else f"{v:.{p}f}"  # noqa: E731
     log(f"\n== FOCUS  read ceiling {ceil_bw / 1e12:.2f} TB/s")
     log("verify: us (% ceiling); overhead vs no capture")
@@ -592,4 +655,4 @@ def focus_main():
 
 
 if __name__ == "__main__":
-    focus_main() if FOCUS else main()
+    raise SystemExit(main())
