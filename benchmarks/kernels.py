@@ -35,13 +35,13 @@ from jax import lax
 from pallas_kernels.sparse_attention import sparse_attention as _sparse_attention
 from pallas_kernels.sparse_attention import sparse_attention_reference
 from pallas_kernels.topk import blockwise_topk, select_topk_fast
+from pallas_kernels.verify_attention import VerifyBlocks, verify_attention_reference
 from pallas_kernels.verify_attention import verify_attention as _verify_attention
-from pallas_kernels.verify_attention import verify_attention_reference
 
 MODES = {
     "full": "ceiling, GPU correctness, a 10-variant tuning sweep at B=4/S=32K, verify at all "
             "shapes vs XLA and cuDNN, sparse, top-k, prefill",
-    "fast": "second pass: a 7-variant tuning sweep at three shapes, then the pallas tables "
+    "fast": "second pass: a 6-variant tuning sweep at three shapes, then the pallas tables "
             "with its winner and top-k at the two largest S; no XLA / cuDNN / prefill",
     "focus": "only the capture overhead (none / weight / logit) at 8 verify shapes and the "
              "one-call top-k over all layers (issue 4 follow-up)",
@@ -218,13 +218,14 @@ def make_cache(b, s, kh=8, d=128, min_bytes=None):
     return kc, vc, L, per_layer
 
 
-def verify_loop(b, s, t, L, kc, vc, per_layer, impl, capture, n, tune=None):
+def verify_loop(b, s, t, L, kc, vc, per_layer, impl, capture, n, tune=None, score="weight"):
+    """tune: VerifyBlocks fields as a dict (recorded as such in bench.json)."""
     g, kh, d = 4, 8, 128
     q = jax.random.normal(jax.random.PRNGKey(3), (b, t, kh, g, d), jnp.bfloat16)
     qp = jnp.broadcast_to(s - t + jnp.arange(t, dtype=jnp.int32), (b, t))
-    kw = dict(capture=capture, capture_rows=(0, t - 1))
+    kw = dict(capture=capture, capture_rows=(0, t - 1), score=score)
     if impl == "pallas":
-        fn = functools.partial(verify_attention, **kw, **(tune or {}))
+        fn = functools.partial(verify_attention, **kw, blocks=VerifyBlocks(**(tune or {})))
     elif impl == "xla":
         fn = functools.partial(verify_attention_reference, **kw)
     else:
@@ -255,7 +256,7 @@ def cudnn_loop(b, s, t, n):
 def sweep2(ceil_bw):
     """Tuning at several shapes; picks the config with the lowest geometric-mean time of
     the capture-on verify over them."""
-    variants = [dict(), dict(base2=False), dict(block_k=128), dict(target_programs=1056),
+    variants = [dict(), dict(block_k=128), dict(target_programs=1056),
                 dict(target_programs=2112), dict(block_k=128, target_programs=1056),
                 dict(block_k=256, num_warps=8)]
     if SMOKE:
@@ -612,14 +613,11 @@ def focus_main():
         n = reps_for(per_layer, 0.8 * ceil_bw)
         for gamma in gams:
             row = dict(kind="verify_focus", B=b, S=s, gamma=gamma)
-            for name, cap, tune in [("none", "none", {}), ("weight", "mean", {}),
-                                    ("weight_gfirst", "mean", dict(cap_reduce="g_first")),
-                                    ("logit", "mean", dict(score="logit"))]:
-                if name == "weight_gfirst" and (gamma != 6 or b == 1):
-                    continue
+            for name, cap, score in [("none", "none", "weight"), ("weight", "mean", "weight"),
+                                     ("logit", "mean", "logit")]:
                 try:
                     tt = verify_loop(b, s, gamma + 1, L, kc, vc, per_layer, "pallas", cap, n,
-                                     tune)
+                                     score=score)
                     row[f"{name}_us"] = tt * 1e6
                     row[f"{name}_frac"] = per_layer / tt / ceil_bw
                 except Exception as e:  # noqa: BLE001
@@ -637,7 +635,7 @@ def focus_main():
             continue
         a = r.get("none_us")
         parts = []
-        for nm in ("none", "weight", "weight_gfirst", "logit"):
+        for nm in ("none", "weight", "logit"):
             v = r.get(f"{nm}_us")
             if v is None:
                 parts.append(f"{nm} {r.get(nm + '_err', '-')[:60]}")

@@ -6,18 +6,33 @@ chosen query rows only, averaged over all query heads of the layer.
 
 Shapes: q [b, t, k, g, d]; cache k/v [L, b, k, s, d] (the full stacked cache plus a layer
 index, so no per-layer slab is copied); q_pos [b, t] (row t sees keys s <= q_pos[b, t]).
+Scores: [b, s] fp32 for capture="mean" (mean over heads and capture rows), [b, r, s] for
+capture="rows" (mean over heads, one per capture row).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltr
+
+from pallas_kernels.common import NEG, combine_splits, dot, pow2_at_least, whole
 
 CAPTURE_MODES = ("none", "mean", "rows")
 SCORE_KINDS = ("weight", "logit")
+
+
+def _check_modes(capture, score):
+    if capture not in CAPTURE_MODES:
+        raise ValueError(f"capture must be one of {CAPTURE_MODES}, got {capture!r}")
+    if score not in SCORE_KINDS:
+        raise ValueError(f"score must be one of {SCORE_KINDS}, got {score!r}")
 
 
 def _scores_from_logits(logits, lse, valid, rows, score, capture):
@@ -36,15 +51,8 @@ def verify_attention_reference(
     q, k_cache, v_cache, layer, q_pos, *, capture="none", capture_rows=(0,),
     score="weight", query_chunk=512,
 ):
-    """Plain-XLA reference. Returns (out [b, t, k, g, d], scores or None).
-
-    scores: [b, s] fp32 for capture="mean" (mean over heads and rows), [b, r, s] for
-    capture="rows" (mean over heads, one row each).
-    """
-    if capture not in CAPTURE_MODES:
-        raise ValueError(f"capture must be one of {CAPTURE_MODES}, got {capture!r}")
-    if score not in SCORE_KINDS:
-        raise ValueError(f"score must be one of {SCORE_KINDS}, got {score!r}")
+    """Plain-XLA reference. Returns (out [b, t, k, g, d], scores or None)."""
+    _check_modes(capture, score)
     b, t, kh, g, d = q.shape
     k = k_cache[layer]  # [b, k, s, d]
     v = v_cache[layer]
@@ -54,7 +62,7 @@ def verify_attention_reference(
     def attend(qc, pc):
         # qc [b, c, k, g, d], pc [b, c]
         logits = jnp.einsum("bckgd,bksd->bkgcs", qc.astype(jnp.float32), k.astype(jnp.float32))
-        logits = logits * scale
+        logits = logits * scale  # [b, k, g, c, s]
         valid = jnp.arange(s)[None, None, None, None, :] <= pc[:, None, None, :, None]
         logits = jnp.where(valid, logits, -jnp.inf)
         lse = jax.nn.logsumexp(logits, axis=-1)  # [b, k, g, c]
@@ -80,13 +88,6 @@ def verify_attention_reference(
     return out, _scores_from_logits(logits, lse, valid, capture_rows, score, capture)
 
 
-@functools.partial(jax.jit, static_argnames=("capture", "capture_rows", "score"))
-def verify_attention_reference_jit(q, k_cache, v_cache, layer, q_pos, *, capture="none",
-                                   capture_rows=(0,), score="weight"):
-    return verify_attention_reference(q, k_cache, v_cache, layer, q_pos, capture=capture,
-                                      capture_rows=capture_rows, score=score)
-
-
 # ---------------------------------------------------------------------------------------
 # Pallas (Triton backend) kernel
 # ---------------------------------------------------------------------------------------
@@ -96,6 +97,9 @@ def verify_attention_reference_jit(q, k_cache, v_cache, layer, q_pos, *, capture
 # of two >= 16. It loops over key blocks of split j up to the largest position its rows can
 # see, reading K/V straight out of the full stacked cache at `layer` (no per-layer copy), and
 # writes the unnormalised split output plus the running max / sum; XLA combines the splits.
+# Logits, max and LSE are in log2 units (the scale carries log2 e): exp2 is cheaper than
+# exp, and the XLA side converts.
+#
 # Score capture: the capture tokens are permuted to the front, so their rows are the first
 # `n_cap` rows overall; the kernel stores their raw scaled logits (fp16 by default) with a
 # masked store into a side buffer, and the XLA epilogue turns them into weights with the
@@ -105,27 +109,33 @@ def verify_attention_reference_jit(q, k_cache, v_cache, layer, q_pos, *, capture
 # Prefill (t * g > max_rows): many query blocks of `row_block` rows, causal block skipping,
 # split-K only when the grid would otherwise be too small. Never materialises s x s.
 
-from jax.experimental import pallas as pl  # noqa: E402
-from jax.experimental.pallas import triton as pltr  # noqa: E402
-
-_dot = getattr(pltr, "dot", None) or pl.dot  # moved to pallas.triton in newer jax
-NEG = -0.7 * float(jnp.finfo(jnp.float32).max)
-_LOGIT_CLIP = 60000.0
+_LOGIT_CLIP = 60000.0  # keeps the fp16 capture cast finite (fp16 max 65504)
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
 
 
-def _pow2_at_least(n, lo=16):
-    p = lo
-    while p < n:
-        p *= 2
-    return p
+@dataclasses.dataclass(frozen=True)
+class VerifyBlocks:
+    """Tuning knobs. block_k: keys per loop step (None: 128 for verify / decode, 64 for
+    prefill, from the H200 sweep in BENCHMARKS.md); num_warps / num_stages: Triton (None:
+    4 warps up to 64 rows per program, else 8; 3 stages for verify / decode, else 2);
+    max_rows: largest t * g handled as one query block; row_block: rows per program in
+    prefill; target_programs: grid size aimed at when choosing the number of key splits;
+    min_split: shortest key split; cap_dtype: dtype of the captured logits (score="weight")."""
+
+    block_k: int | None = None
+    num_warps: int | None = None
+    num_stages: int | None = None
+    max_rows: int = 64
+    row_block: int = 128
+    target_programs: int = 528
+    min_split: int = 512
+    cap_dtype: Any = jnp.float16
 
 
 def _verify_kernel(layer_ref, q_ref, rowpos_ref, k_ref, v_ref, *refs, block_k, split_len,
-                   s_len, scale, rows, kh, normalize, base2, cap):
-    """Flash-decoding over one key split. With base2, logits / max / LSE are in log2 units
-    (exp2 is cheaper than exp); the XLA side converts.
+                   s_len, scale, rows, kh, normalize, cap):
+    """Flash-decoding over one key split.
 
     cap (static) describes the score capture or is None:
       ("logits", n_cap, crow): store the raw scaled logits of the n_cap capture rows
@@ -137,6 +147,10 @@ def _verify_kernel(layer_ref, q_ref, rowpos_ref, k_ref, v_ref, *refs, block_k, s
         weighting capture row r by weights[i][r]; buffer [b * kh * n_out, s_pad].
     The capture rows get their own small product (a [crow, d] x [d, block_k] dot), so the
     store covers only them instead of the whole accumulator tile."""
+    # layer_ref [1]; q_ref [rows, d]; rowpos_ref [rows] (-1 = padding row);
+    # k_ref, v_ref [L, b, k, s, d]; with cap: qc_ref [crow, d], rpc_ref [crow];
+    # o_ref [rows, d], m_ref, l_ref [rows]; cap_ref [b * k * n_cap + crow, s_pad] ("logits")
+    # or [b * k * n_out, s_pad] ("sum")
     if cap is not None:
         qc_ref, rpc_ref, o_ref, m_ref, l_ref, cap_ref = refs
     else:
@@ -147,11 +161,11 @@ def _verify_kernel(layer_ref, q_ref, rowpos_ref, k_ref, v_ref, *refs, block_k, s
     j = pl.program_id(3)
     layer = layer_ref[0]
     q = q_ref[...]  # [rows, d]
-    rp = rowpos_ref[...]  # [rows] int32, -1 for padding rows
+    rp = rowpos_ref[...]  # [rows]
     d = q.shape[-1]
-    ex = jnp.exp2 if base2 else jnp.exp
 
     start = j * split_len
+    # causal block skipping: no row of this program sees past max(rp)
     end = jnp.minimum(jnp.minimum(start + split_len, jnp.max(rp) + 1), s_len)
     nblk = pl.cdiv(jnp.maximum(end - start, 0), block_k)
     kr = jnp.arange(block_k, dtype=jnp.int32)
@@ -162,7 +176,7 @@ def _verify_kernel(layer_ref, q_ref, rowpos_ref, k_ref, v_ref, *refs, block_k, s
         rc = jnp.arange(crow, dtype=jnp.int32)
 
     def capture(k, k0, kidx):
-        qk = _dot(qc, k, trans_b=True) * scale  # [crow, block_k] fp32
+        qk = dot(qc, k, trans_b=True) * scale  # [crow, block_k] fp32
         if cap[0] == "logits":
             val = jnp.clip(qk, -_LOGIT_CLIP, _LOGIT_CLIP).astype(cap_ref.dtype)
             pltr.store(cap_ref.at[pl.ds((bi * kh + h) * n_cap, crow), pl.ds(k0, block_k)],
@@ -171,7 +185,7 @@ def _verify_kernel(layer_ref, q_ref, rowpos_ref, k_ref, v_ref, *refs, block_k, s
             qk = jnp.where(kidx[None, :] <= rpc[:, None], qk, 0.0)
             weights = cap[3]
             for i, wts in enumerate(weights):
-                w = jnp.zeros((crow,), jnp.float32)
+                w = jnp.zeros((crow,), jnp.float32)  # [crow]
                 for r, wr in enumerate(wts):
                     if wr:
                         w = jnp.where(rc == r, jnp.float32(wr), w)
@@ -182,58 +196,52 @@ def _verify_kernel(layer_ref, q_ref, rowpos_ref, k_ref, v_ref, *refs, block_k, s
     def body(i, carry):
         o, m, l = carry
         k0 = start + i * block_k
-        kidx = k0 + kr
-        inb = kidx < s_len
+        kidx = k0 + kr  # [block_k]
+        inb = kidx < s_len  # the last block may run past the cache
         k = pltr.load(k_ref.at[layer, bi, h, pl.ds(k0, block_k), :], mask=inb[:, None],
-                      other=0.0)
-        if cap is not None:
+                      other=0.0)  # [block_k, d]
+        if cap is not None:  # the capture rows live in query block 0 only
             pl.when(qb == 0)(lambda: capture(k, k0, kidx))
-        qk = _dot(q, k, trans_b=True) * scale  # [rows, block_k] fp32
+        qk = dot(q, k, trans_b=True) * scale  # [rows, block_k] fp32, log2 units
         vis = kidx[None, :] <= rp[:, None]
         qk = jnp.where(vis, qk, NEG)
         m_new = jnp.maximum(m, qk.max(axis=-1))
-        corr = ex(m - m_new)
-        p = ex(qk - m_new[:, None])
+        corr = jnp.exp2(m - m_new)
+        p = jnp.exp2(qk - m_new[:, None])  # [rows, block_k]
         l = l * corr + p.sum(axis=-1)
         v = pltr.load(v_ref.at[layer, bi, h, pl.ds(k0, block_k), :], mask=inb[:, None],
-                      other=0.0)
-        o = o * corr[:, None] + _dot(p.astype(v.dtype), v)
+                      other=0.0)  # [block_k, d]
+        o = o * corr[:, None] + dot(p.astype(v.dtype), v)
         return o, m_new, l
 
-    o0 = jnp.zeros((rows, d), jnp.float32)
-    m0 = jnp.full((rows,), NEG, jnp.float32)
-    l0 = jnp.zeros((rows,), jnp.float32)
+    o0 = jnp.zeros((rows, d), jnp.float32)  # [rows, d]
+    m0 = jnp.full((rows,), NEG, jnp.float32)  # [rows]
+    l0 = jnp.zeros((rows,), jnp.float32)  # [rows]
     o, m, l = lax.fori_loop(0, nblk, body, (o0, m0, l0))
     if normalize:  # single split: finish here (prefill), m_ref receives the LSE
-        lg = jnp.log2 if base2 else jnp.log
         o = o / jnp.where(l == 0.0, 1.0, l)[:, None]
-        m = m + lg(jnp.where(l == 0.0, 1.0, l))
+        m = m + jnp.log2(jnp.where(l == 0.0, 1.0, l))
     o_ref[...] = o.astype(o_ref.dtype)
     m_ref[...] = m
     l_ref[...] = l
 
 
-def _whole(shape):
-    """The whole array as one block: on GPU just a pointer (no copy of the cache slab)."""
-    return pl.BlockSpec(tuple(shape), lambda *_: (0,) * len(shape))
-
-
-def _verify_call(layer, qr, rowpos, k_cache, v_cache, *, rows, n_splits, split_len, block_k,
-                 num_warps, num_stages, interpret, out_dtype, base2=True, cap=None, qc=None,
-                 rpc=None, cap_dtype=jnp.float16):
+def _verify_call(layer, qr, rowpos, k_cache, v_cache, *, rows, n_splits, split_len, blocks,
+                 interpret, out_dtype, cap=None, qc=None, rpc=None):
     """qr [b, kh, nqb*rows, d]; rowpos [b, nqb*rows]; with cap (see `_verify_kernel`) also
     qc [b, kh, crow, d] (the capture rows) and rpc [b, crow] (their positions, -1 = pad).
-    Returns o [b,kh,J,R,d], m, l, cap buffer | None."""
+    blocks: resolved (block_k, num_warps, num_stages set). Returns o [b, kh, J, R, d],
+    m, l [b, kh, J, R] (log2 units), cap buffer | None."""
     b, kh, rtot, d = qr.shape
+    block_k = blocks.block_k
     s_len = k_cache.shape[3]
-    s_pad = -(-s_len // block_k) * block_k
+    s_pad = pl.cdiv(s_len, block_k) * block_k  # capture stores whole key blocks
     nqb = rtot // rows
     normalize = n_splits == 1
-    scale = d**-0.5 * (_LOG2E if base2 else 1.0)
     kernel = functools.partial(
-        _verify_kernel, block_k=block_k, split_len=split_len, s_len=s_len, scale=scale,
-        rows=rows, kh=kh, normalize=normalize, base2=base2, cap=cap)
-    out_shape = [
+        _verify_kernel, block_k=block_k, split_len=split_len, s_len=s_len,
+        scale=d**-0.5 * _LOG2E, rows=rows, kh=kh, normalize=normalize, cap=cap)
+    out_shape = [  # o [b, kh, J, R, d], m, l [b, kh, J, R]
         jax.ShapeDtypeStruct((b, kh, n_splits, rtot, d), out_dtype if normalize else jnp.float32),
         jax.ShapeDtypeStruct((b, kh, n_splits, rtot), jnp.float32),
         jax.ShapeDtypeStruct((b, kh, n_splits, rtot), jnp.float32),
@@ -244,11 +252,11 @@ def _verify_call(layer, qr, rowpos, k_cache, v_cache, *, rows, n_splits, split_l
         pl.BlockSpec((None, None, None, rows), lambda bi, h, qb, j: (bi, h, j, qb)),
     ]
     in_specs = [
-        _whole((1,)),  # layer
+        whole((1,)),
         pl.BlockSpec((None, None, rows, d), lambda bi, h, qb, j: (bi, h, qb, 0)),
         pl.BlockSpec((None, rows), lambda bi, h, qb, j: (bi, qb)),
-        _whole(k_cache.shape),  # [L, b, kh, s, d], indexed in the kernel
-        _whole(v_cache.shape),
+        whole(k_cache.shape),  # indexed at `layer` in the kernel
+        whole(v_cache.shape),
     ]
     args = [jnp.reshape(layer, (1,)).astype(jnp.int32), qr, rowpos, k_cache, v_cache]
     if cap is not None:
@@ -259,18 +267,19 @@ def _verify_call(layer, qr, rowpos, k_cache, v_cache, *, rows, n_splits, split_l
         if cap[0] == "logits":
             # [b, kh, n_cap] rows, then `crow` spare rows that keep the last program's
             # (masked) store window inside the buffer.
-            shape, dt = (b * kh * cap[1] + crow, s_pad), cap_dtype
+            shape, dt = (b * kh * cap[1] + crow, s_pad), blocks.cap_dtype
         else:
             shape, dt = (b * kh * len(cap[3]), s_pad), jnp.float32
         out_shape.append(jax.ShapeDtypeStruct(shape, dt))
-        out_specs.append(_whole(shape))
+        out_specs.append(whole(shape))
     res = pl.pallas_call(
         kernel,
         grid=(b, kh, nqb, n_splits),
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
-        compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        compiler_params=pltr.CompilerParams(num_warps=blocks.num_warps,
+                                            num_stages=blocks.num_stages),
         interpret=interpret,
         name="vegas_verify_attention",
     )(*args)
@@ -280,13 +289,14 @@ def _verify_call(layer, qr, rowpos, k_cache, v_cache, *, rows, n_splits, split_l
 
 
 def _plan(b, kh, t, g, s, *, max_rows, row_block, target_programs, block_k, min_split):
-    """Static launch plan: (rows per program, query blocks, splits, split length)."""
+    """Static launch plan: (rows per program, tokens per query block, query blocks, splits,
+    split length)."""
     if t * g <= max_rows:
-        rows = _pow2_at_least(t * g)
+        rows = pow2_at_least(t * g)
         tq = t
     else:
         tq = max(1, row_block // g)
-        rows = _pow2_at_least(tq * g)
+        rows = pow2_at_least(tq * g)
     nqb = -(-t // tq)
     per = b * kh * nqb
     max_splits = max(1, -(-s // max(min_split, block_k)))
@@ -296,32 +306,33 @@ def _plan(b, kh, t, g, s, *, max_rows, row_block, target_programs, block_k, min_
     return rows, tq, nqb, j, split_len
 
 
+def _prefill_cudnn(q, k_cache, v_cache, layer):
+    """cuDNN flash attention for a prompt at positions 0..t-1 (GPU only)."""
+    b, t, kh, g, d = q.shape
+    k = lax.dynamic_index_in_dim(k_cache, layer, 0, keepdims=False)[:, :, :t]  # [b, k, t, d]
+    v = lax.dynamic_index_in_dim(v_cache, layer, 0, keepdims=False)[:, :, :t]
+    out = jax.nn.dot_product_attention(
+        q.reshape(b, t, kh * g, d), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3),
+        is_causal=True, implementation="cudnn")
+    return out.reshape(b, t, kh, g, d)
+
+
 def verify_attention(
     q, k_cache, v_cache, layer, q_pos, *, capture="none", capture_rows=(0,), score="weight",
-    interpret=False, block_k=None, num_warps=None, num_stages=None, max_rows=64,
-    row_block=128, target_programs=528, min_split=512, cap_dtype=jnp.float16,
-    prefill_impl="pallas", base2=True, cap_reduce="joint",
+    interpret=False, blocks: VerifyBlocks = VerifyBlocks(), prefill_impl="pallas",
 ):
     """Pallas (Triton) op with exactly `verify_attention_reference`'s semantics.
 
-    Returns (out [b, t, k, g, d] in q.dtype, scores | None). Tuning knobs: block_k,
-    num_warps, num_stages (Triton), max_rows (largest t*g handled as one query block),
-    row_block (rows per program in prefill), target_programs (grid size aimed at when
-    choosing the number of key splits), min_split (shortest key split), cap_dtype (dtype of
-    the captured logits, score="weight"), cap_reduce ("joint" | "g_first": how the XLA
-    epilogue reduces the captured weights over heads), prefill_impl ("pallas" | "cudnn", the latter only for prompts that
-    start at position 0: q_pos[b, i] == i).
+    Returns (out [b, t, k, g, d] in q.dtype, scores | None). prefill_impl: "pallas" |
+    "cudnn", the latter only for prompts that start at position 0 (q_pos[b, i] == i).
     """
-    if capture not in CAPTURE_MODES:
-        raise ValueError(f"capture must be one of {CAPTURE_MODES}, got {capture!r}")
-    if score not in SCORE_KINDS:
-        raise ValueError(f"score must be one of {SCORE_KINDS}, got {score!r}")
+    _check_modes(capture, score)
     b, t, kh, g, d = q.shape
     s = k_cache.shape[3]
     cap_list = [int(r) % t for r in capture_rows] if capture != "none" else []
     uniq = sorted(set(cap_list))
 
-    if prefill_impl == "cudnn" and t * g > max_rows:
+    if prefill_impl == "cudnn" and t * g > blocks.max_rows:
         out = _prefill_cudnn(q, k_cache, v_cache, layer)
         if capture == "none":
             return out, None
@@ -329,46 +340,45 @@ def verify_attention(
         _, sc = verify_attention(
             q[:, uniq], k_cache, v_cache, layer, q_pos[:, uniq], capture=capture,
             capture_rows=tuple(uniq.index(r) for r in cap_list), score=score,
-            interpret=interpret, block_k=block_k, num_warps=num_warps,
-            num_stages=num_stages, max_rows=max_rows, target_programs=target_programs,
-            min_split=min_split, cap_dtype=cap_dtype)
+            interpret=interpret, blocks=blocks)
         return out, sc
 
-    decode_like = t * g <= max_rows
-    bk = block_k or (128 if decode_like else 64)  # H200 sweep (BENCHMARKS.md)
-    bk = min(bk, _pow2_at_least(s))
+    decode_like = t * g <= blocks.max_rows
+    bk = blocks.block_k or (128 if decode_like else 64)
+    bk = min(bk, pow2_at_least(s))
     rows, tq, nqb, n_splits, split_len = _plan(
-        b, kh, t, g, s, max_rows=max_rows, row_block=row_block,
-        target_programs=target_programs, block_k=bk, min_split=min_split)
-    nw = num_warps or (4 if rows <= 64 else 8)
-    ns = num_stages or (3 if decode_like else 2)
+        b, kh, t, g, s, max_rows=blocks.max_rows, row_block=blocks.row_block,
+        target_programs=blocks.target_programs, block_k=bk, min_split=blocks.min_split)
+    resolved = dataclasses.replace(
+        blocks, block_k=bk, num_warps=blocks.num_warps or (4 if rows <= 64 else 8),
+        num_stages=blocks.num_stages or (3 if decode_like else 2))
 
-    # token order: capture tokens first (so their rows are the first n_cap rows)
+    # capture tokens first, so their rows are the first n_cap rows of query block 0
     perm = uniq + [i for i in range(t) if i not in uniq]
     inv = [perm.index(i) for i in range(t)]
     qp = q if perm == list(range(t)) else q[:, jnp.array(perm)]
     pp = q_pos if perm == list(range(t)) else q_pos[:, jnp.array(perm)]
     tpad = nqb * tq
-    qp = jnp.pad(qp, ((0, 0), (0, tpad - t), (0, 0), (0, 0), (0, 0)))
+    qp = jnp.pad(qp, ((0, 0), (0, tpad - t), (0, 0), (0, 0), (0, 0)))  # [b, tpad, k, g, d]
     pp = jnp.pad(pp.astype(jnp.int32), ((0, 0), (0, tpad - t)), constant_values=-1)
-    # rows: [b, kh, nqb, tq*g (padded to rows), d]
     qr = qp.transpose(0, 2, 1, 3, 4).reshape(b, kh, nqb, tq * g, d)
     qr = jnp.pad(qr, ((0, 0), (0, 0), (0, 0), (0, rows - tq * g), (0, 0)))
-    qr = qr.reshape(b, kh, nqb * rows, d)
+    qr = qr.reshape(b, kh, nqb * rows, d)  # [b, k, nqb * rows, d]
     rp = jnp.repeat(pp.reshape(b, nqb, tq), g, axis=2)
     rp = jnp.pad(rp, ((0, 0), (0, 0), (0, rows - tq * g)), constant_values=-1)
-    rp = rp.reshape(b, nqb * rows)
+    rp = rp.reshape(b, nqb * rows)  # [b, nqb * rows]
     n_cap = len(uniq) * g
     if n_cap and len(uniq) > tq:
         raise NotImplementedError("capture rows must fit one query block")
     nu = len(uniq)
     cap = qc = rpc = None
     if n_cap:
-        # the capture rows (the first n_cap rows of query block 0) padded to crow
-        crow = _pow2_at_least(n_cap)
+        # a power-of-two row count for the capture dot
+        crow = pow2_at_least(n_cap)
+        # qc [b, k, crow, d], rpc [b, crow]
         qc = jnp.pad(qr[:, :, :n_cap], ((0, 0), (0, 0), (0, crow - n_cap), (0, 0)))
         rpc = jnp.pad(rp[:, :n_cap], ((0, 0), (0, crow - n_cap)), constant_values=-1)
-        if score == "weight":
+        if score == "weight":  # needs the final LSE: store logits, finish in XLA
             cap = ("logits", n_cap, crow)
         else:  # linear in the logits: reduce over heads (and rows) in the kernel
             mult = [cap_list.count(u) / len(cap_list) for u in uniq]
@@ -381,22 +391,16 @@ def verify_attention(
 
     o, m, l, cbuf = _verify_call(
         layer, qr, rp, k_cache, v_cache, rows=rows, n_splits=n_splits, split_len=split_len,
-        block_k=bk, num_warps=nw, num_stages=ns, interpret=interpret, out_dtype=q.dtype,
-        base2=base2, cap=cap, qc=qc, rpc=rpc, cap_dtype=cap_dtype)
-    unit = _LN2 if base2 else 1.0  # kernel logits / LSE are in log2 units with base2
+        blocks=resolved, interpret=interpret, out_dtype=q.dtype, cap=cap, qc=qc, rpc=rpc)
 
-    if n_splits == 1:
-        out = o[:, :, 0]
-        lse = m[:, :, 0]
+    if n_splits == 1:  # the kernel normalised already; m holds the LSE
+        out = o[:, :, 0]  # [b, k, R, d]
+        lse = m[:, :, 0]  # [b, k, R], log2 units
     else:
-        mx = lax.optimization_barrier(m.max(axis=2))  # [b, kh, R]
-        w = jnp.exp2(m - mx[:, :, None]) if base2 else jnp.exp(m - mx[:, :, None])
-        lsum = (l * w).sum(axis=2)
-        lsafe = jnp.where(lsum == 0.0, 1.0, lsum)
-        out = ((o * w[..., None]).sum(axis=2) / lsafe[..., None]).astype(q.dtype)
-        lse = mx + (jnp.log2(lsafe) if base2 else jnp.log(lsafe))
+        out, lse = combine_splits(o, m, l, base2=True)
+        out = out.astype(q.dtype)
     out = out.reshape(b, kh, nqb, rows, d)[:, :, :, : tq * g]
-    out = out.reshape(b, kh, tpad, g, d)[:, :, :t].transpose(0, 2, 1, 3, 4)
+    out = out.reshape(b, kh, tpad, g, d)[:, :, :t].transpose(0, 2, 1, 3, 4)  # [b, t, k, g, d]
     if perm != list(range(t)):
         out = out[:, jnp.array(inv)]
     if capture == "none":
@@ -407,29 +411,16 @@ def verify_attention(
     if cap[0] == "logits":
         logits = cbuf[: b * kh * n_cap, :s].reshape(b, kh, nu, g, s).astype(jnp.float32)
         lse_c = lse[:, :, :n_cap].reshape(b, kh, nu, g)
+        # keys past a row's position hold stale (or never written) logits
         valid = ar[None, None, :] <= pos_c[:, :, None]  # [b, nu, s]
-        ex = jnp.exp2 if base2 else jnp.exp
-        per = jnp.where(valid[:, None, :, None, :], ex(logits - lse_c[..., None]), 0.0)
-        if cap_reduce == "joint":
-            per = per.mean(axis=(1, 3))  # [b, nu, s]
-        else:  # "g_first": two reductions over adjacent-to-s axes
-            per = per.sum(axis=3).sum(axis=1) * (1.0 / (kh * g))
+        per = jnp.where(valid[:, None, :, None, :], jnp.exp2(logits - lse_c[..., None]), 0.0)
+        per = per.mean(axis=(1, 3))  # [b, nu, s]
         sel = per[:, jnp.array([uniq.index(r) for r in cap_list])]  # [b, r, s]
         return out, (sel.mean(axis=1) if capture == "mean" else sel)
-    n_out = len(cap[3])
-    tot = cbuf.reshape(b, kh, n_out, -1)[..., :s].sum(axis=1) * (unit / (kh * g))
+    n_out = len(cap[3])  # tot below: [b, n_out, s]
+    # the kernel summed log2-unit logits: _LN2 converts back to natural-log logits
+    tot = cbuf.reshape(b, kh, n_out, -1)[..., :s].sum(axis=1) * (_LN2 / (kh * g))
     if capture == "mean":  # keys past every capture row's position were never written
         return out, jnp.where(ar[None, :] <= pos_c.max(axis=1)[:, None], tot[:, 0], 0.0)
     tot = jnp.where(ar[None, None, :] <= pos_c[:, :, None], tot, 0.0)  # [b, nu, s]
     return out, tot[:, jnp.array([uniq.index(r) for r in cap_list])]
-
-
-def _prefill_cudnn(q, k_cache, v_cache, layer):
-    """cuDNN flash attention for a prompt at positions 0..t-1 (GPU only)."""
-    b, t, kh, g, d = q.shape
-    k = lax.dynamic_index_in_dim(k_cache, layer, 0, keepdims=False)[:, :, :t]
-    v = lax.dynamic_index_in_dim(v_cache, layer, 0, keepdims=False)[:, :, :t]
-    out = jax.nn.dot_product_attention(
-        q.reshape(b, t, kh * g, d), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3),
-        is_causal=True, implementation="cudnn")
-    return out.reshape(b, t, kh, g, d)

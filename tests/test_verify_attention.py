@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.verify_attention import (
-    _verify_call, verify_attention, verify_attention_reference)
+    VerifyBlocks, _verify_call, verify_attention, verify_attention_reference)
 
 
 def _inputs(seed, L, b, kh, g, d, s, t, dtype, base):
@@ -60,13 +60,12 @@ CASES = [
 @pytest.mark.parametrize("case", CASES, ids=[f"c{i}" for i in range(len(CASES))])
 def test_verify_matches_reference(case):
     L, b, kh, g, d, s, gamma, dtype, base, capture, rows, score = case
-    base2 = len(base) != 3  # both the exp2 (default) and the exp kernel variants
     q, kc, vc, q_pos = _inputs(len(base) + s, L, b, kh, g, d, s, gamma + 1, dtype, base)
     layer = jnp.int32(L - 1)
     kw = dict(capture=capture, capture_rows=rows, score=score)
     # small blocks/splits so several key splits and blocks (and a ragged last one) run
-    out = verify_attention(q, kc, vc, layer, q_pos, interpret=True, block_k=16, min_split=32,
-                           target_programs=4 * b * kh, base2=base2, **kw)
+    blocks = VerifyBlocks(block_k=16, min_split=32, target_programs=4 * b * kh)
+    out = verify_attention(q, kc, vc, layer, q_pos, interpret=True, blocks=blocks, **kw)
     ref = verify_attention_reference(q, kc, vc, layer, q_pos, **kw)
     _check(out, ref, dtype)
 
@@ -78,8 +77,8 @@ def test_prefill_query_blocks(capture, score):
     L, b, kh, g, d, s, t = 1, 2, 2, 4, 64, 90, 37
     q, kc, vc, q_pos = _inputs(3, L, b, kh, g, d, s, t, jnp.float32, (0, 50))
     kw = dict(capture=capture, capture_rows=(t - 1, 0), score=score)
-    out = verify_attention(q, kc, vc, jnp.int32(0), q_pos, interpret=True, max_rows=16,
-                           row_block=32, block_k=16, **kw)
+    blocks = VerifyBlocks(max_rows=16, row_block=32, block_k=16)
+    out = verify_attention(q, kc, vc, jnp.int32(0), q_pos, interpret=True, blocks=blocks, **kw)
     ref = verify_attention_reference(q, kc, vc, jnp.int32(0), q_pos, **kw)
     _check(out, ref, jnp.float32)
 
@@ -95,7 +94,8 @@ def test_layer_traced_in_scan():
             return c, (o, sc)
         return jax.jit(lambda: jax.lax.scan(body, 0, jnp.arange(L, dtype=jnp.int32))[1])()
 
-    o1, s1 = run(functools.partial(verify_attention, interpret=True, block_k=16))
+    o1, s1 = run(functools.partial(verify_attention, interpret=True,
+                                   blocks=VerifyBlocks(block_k=16)))
     o2, s2 = run(verify_attention_reference)
     _check((o1, s1), (o2, s2), jnp.float32)
 
@@ -116,8 +116,9 @@ def test_every_output_written(mode):
     cap = (("logits", n_cap, crow) if mode == "logits"
            else ("sum", n_cap, crow, (tuple([0.5] * n_cap + [0.0] * (crow - n_cap)),)))
     o, m, l, buf = _verify_call(
-        jnp.int32(0), qr, rp, kc, vc, rows=rows, n_splits=3, split_len=32, block_k=16,
-        num_warps=4, num_stages=2, interpret=True, out_dtype=q.dtype, cap=cap, qc=qc, rpc=rpc)
+        jnp.int32(0), qr, rp, kc, vc, rows=rows, n_splits=3, split_len=32,
+        blocks=VerifyBlocks(block_k=16, num_warps=4, num_stages=2), interpret=True,
+        out_dtype=q.dtype, cap=cap, qc=qc, rpc=rpc)
     for x in (o, m, l):
         assert np.isfinite(np.asarray(x)).all()
     buf = np.asarray(buf, np.float32)
