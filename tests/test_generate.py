@@ -3,13 +3,16 @@
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import importlib
 
 from vegas_jax import SamplingParams, generate
+from vegas_jax import runtime as gen
+from vegas_jax.attention import Capture
+from vegas_jax.execution import ExecConfig
 from vegas_jax.loading import load_model
 from tests.tiny import tiny_model
 
-gen = importlib.import_module("vegas_jax.generate")  # the package exports a function of that name
+XLA = ExecConfig(attn="xla", gemm="triton", layers="scan")
+
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +65,7 @@ def test_bad_arguments():
         generate(m, [[1]], 4, steps_per_call=0)
     with pytest.raises(TypeError, match="SamplingParams"):
         generate(m, [[1]], 4, sampling={"temperature": 1.0})
-    with pytest.raises(ValueError, match="attn_impl"):
+    with pytest.raises(ValueError, match="attn must be one of"):
         generate(m, [[1]], 4, attn_impl="cuda")
 
 
@@ -76,7 +79,7 @@ def test_chunked_prefill_equals_whole(chunk):
 
     def run(c):
         cache = gen.init_cache(cfg, len(ids), 384, jnp.float32)
-        return gen.prefill(m.params, cfg, toks, lens, cache, "xla", True, c)
+        return gen.prefill(m.params, cfg, XLA, toks, lens, cache, Capture((0,)), c)
 
     (lw, cw, sw), (lc, cc, sc) = run(None), run(chunk)
     np.testing.assert_allclose(np.asarray(lc), np.asarray(lw), atol=2e-5)
@@ -89,16 +92,35 @@ def test_chunked_prefill_equals_whole(chunk):
     assert c % gen.PROMPT_BUCKET == 0 and 1024 * c <= gen.PREFILL_TOKENS + 1024 * 64
 
 
-def test_compiler_options_by_width(monkeypatch):
-    from vegas_jax.model import compiler_options
+def test_exec_config_resolution():
+    gpu = ExecConfig().resolve("gpu")
+    assert (gpu.attn, gpu.gemm, gpu.layers) == ("pallas", "cublas", "scan")
+    assert gpu.compiler_options() == {"xla_gpu_enable_triton_gemm": False,
+                                      "xla_gpu_enable_dynamic_slice_fusion": True}
+    cpu = ExecConfig().resolve("cpu")
+    assert (cpu.attn, cpu.gemm, cpu.layers) == ("xla", "triton", "scan")
+    assert cpu.compiler_options() == {}
+    assert ExecConfig(gemm="triton").resolve("gpu").compiler_options() == {}
+    assert ExecConfig(layers="unrolled").resolve("gpu").layers == "unrolled"
+    with pytest.raises(ValueError, match="layers"):
+        ExecConfig(layers="python")
 
-    monkeypatch.delenv("VEGAS_TRITON_GEMM", raising=False)
-    small = tiny_model().config
-    from vegas_jax.config import get_config
 
-    assert compiler_options(small) == {}
-    assert compiler_options(get_config("qwen3-8b")) == {"xla_gpu_enable_triton_gemm": False}
-    monkeypatch.setenv("VEGAS_TRITON_GEMM", "1")
-    assert compiler_options(get_config("qwen3-8b")) == {}
-    monkeypatch.setenv("VEGAS_TRITON_GEMM", "0")
-    assert compiler_options(small) == {"xla_gpu_enable_triton_gemm": False}
+def test_unrolled_layers_equal_scan():
+    """Per-layer weight buffers walked by a Python loop compute what the scan computes."""
+    from vegas_jax import SpecConfig, speculative_generate
+    from vegas_jax.model import layout_params, stack_layers
+
+    m = tiny_model(scale=0.3)
+    unrolled = m._replace(params=layout_params(m.params, ExecConfig(layers="unrolled")))
+    assert isinstance(unrolled.params.layers, tuple)
+    assert len(unrolled.params.layers) == m.config.num_layers
+    back = stack_layers(unrolled.params)
+    np.testing.assert_array_equal(np.asarray(back.layers.w_qkv), np.asarray(m.params.layers.w_qkv))
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(0, 100, size=n).tolist() for n in (40, 200)]
+    spec = SpecConfig(gamma=3, min_tokens=8)
+    a = speculative_generate(m, prompts, 24, spec)
+    b = speculative_generate(unrolled, prompts, 24, spec)
+    assert a.tokens == b.tokens
+    assert generate(unrolled, prompts, 24).tokens == a.tokens

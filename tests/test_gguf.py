@@ -18,7 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from vegas_jax.attention import AttnSpec
+from vegas_jax.attention import CAUSAL
+from vegas_jax.execution import ExecConfig
 from vegas_jax.cache import init_cache
 from vegas_jax.config import REGISTRY
 from vegas_jax.loading import load_model
@@ -60,7 +61,8 @@ def theirs(smollm2_gguf):
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def _forward(params, cfg, tokens, positions, cache):
-    return forward(params, cfg, tokens, positions, cache, AttnSpec())
+    return forward(params, cfg, ExecConfig("xla", "triton", "scan"), tokens, positions, cache,
+                   CAUSAL)
 
 
 def greedy(model, ids: list[int], n_new: int):

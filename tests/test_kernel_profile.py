@@ -1,14 +1,28 @@
-"""pallas_kernels/kernel_profile.py on the CPU: it runs end to end and writes the HLO (the
-kernel table itself needs a GPU trace; on the CPU it is empty)."""
+"""benchmarks/kernel_profile.py on the CPU: it runs every phase end to end and writes the
+HLO (the kernel table itself needs a GPU trace; on the CPU it is empty)."""
 
-from pallas_kernels import kernel_profile
+import json
+
+from benchmarks import kernel_profile
 
 
 def test_runs_and_writes_hlo(tmp_path, capsys):
     rc = kernel_profile.main(["--model", "smollm2-135m", "--batch", "1", "--context", "200",
-                              "--gamma", "2", "--attn-impl", "xla", "--hlo", str(tmp_path)])
+                              "--gamma", "2", "--attn-impl", "xla", "--hlo", str(tmp_path),
+                              "--json", str(tmp_path / "out.json")])
     assert rc == 0
     out = capsys.readouterr().out
-    assert "decode step:" in out and "vegas round wall:" in out
-    for name in ("decode.hlo.txt", "round.hlo.txt"):
-        assert "HloModule" in (tmp_path / name).read_text()[:200]
+    for label in ("decode step:", "draft step:", "verify+capture:", "round:"):
+        assert label in out
+    for name in ("decode", "draft", "verify", "round"):
+        assert "HloModule" in (tmp_path / f"{name}.hlo.txt").read_text()[:200]
+    summary = json.loads((tmp_path / "out.json").read_text())
+    assert summary["round"]["wall_ms"] > 0
+
+
+def test_kinds():
+    assert kernel_profile.kind_of("nvjet_sm90_tst_64x8") == "matmul"
+    assert kernel_profile.kind_of("vegas_sparse_attention") == "attention"
+    assert kernel_profile.kind_of("memcpy32_post") == "copy"
+    assert kernel_profile.kind_of("input_scatter_fusion_2") == "scatter"
+    assert kernel_profile.kind_of("loop_add_fusion") == "other"

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from conftest import TINY_CONFIGS
-from vegas_jax.attention import AttnSpec
+from vegas_jax.attention import CAUSAL
+from vegas_jax.execution import ExecConfig
 from vegas_jax.cache import init_cache
 from vegas_jax.config import REGISTRY, from_hf_config
 from vegas_jax.loading import load_model
@@ -29,7 +30,8 @@ MAX_LEN = 64
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def _forward(params, cfg, tokens, positions, cache):
-    return forward(params, cfg, tokens, positions, cache, AttnSpec())
+    return forward(params, cfg, ExecConfig("xla", "triton", "scan"), tokens, positions, cache,
+                   CAUSAL)
 
 
 def _hf_logits(hf_model, ids):

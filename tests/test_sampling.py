@@ -111,7 +111,7 @@ def test_sparse_q_gives_the_same_acceptance_as_dense():
     keys = jax.random.split(jax.random.PRNGKey(3), g)
     toks, q_idx, q_val = [], [], []
     for j in range(g):
-        t, (i, pv) = sampling.draft_sample(keys[j], draft_logits[:, j], sp)
+        t, (i, pv) = sampling.sample(keys[j], draft_logits[:, j], sp)
         toks.append(t), q_idx.append(i), q_val.append(pv)
     drafts = jnp.stack(toks, 1)
     sparse = (jnp.stack(q_idx, 1), jnp.stack(q_val, 1))
@@ -134,7 +134,7 @@ def test_draft_sample_top_k_distribution():
     logits = jnp.asarray(rng.normal(size=(1, 50)) * 1.5, jnp.float32)
     sp = SamplingParams(0.8, 8, 0.9, 0.02)
     n = 100_000
-    toks, _ = jax.vmap(lambda kk: sampling.draft_sample(kk, logits[0], sp))(
+    toks, _ = jax.vmap(lambda kk: sampling.sample(kk, logits[0], sp))(
         jax.random.split(jax.random.PRNGKey(0), n))
     want = numpy_process(np.asarray(logits), sp)[0]
     counts = np.bincount(np.asarray(toks), minlength=50)
@@ -155,3 +155,44 @@ def test_top_p_candidates_match_numpy(spread, sp, monkeypatch):
     np.testing.assert_allclose(got, want, atol=1e-6)
     kept = (want > 0).sum(-1)
     assert (kept <= 16).all() if spread > 1 else (kept > 16).any()  # both regimes occur
+
+
+@pytest.mark.parametrize("shape,k", [((3, 5000), 20), ((2, 4, 49152), 20), ((4, 1000), 7),
+                                     ((2, 300), 50)])
+def test_top_k_matches_lax(shape, k):
+    x = jax.random.normal(jax.random.PRNGKey(k), shape) * 3
+    x = x.at[..., 17].set(50.0)  # a winner at a block edge region, others spread
+    vals, idx = sampling.top_k(x, k, block=64)
+    want_v, want_i = jax.lax.top_k(x, k)
+    np.testing.assert_array_equal(np.asarray(vals), np.asarray(want_v))
+    np.testing.assert_array_equal(np.asarray(idx), np.asarray(want_i))
+
+
+def test_top_k_when_winners_crowd_one_block():
+    # every winner in one block: that block must be read in full
+    x = jnp.zeros((2, 4096)).at[:, 128:148].set(jnp.arange(20.0) + 1)
+    vals, idx = sampling.top_k(x, 20, block=64)
+    assert sorted(np.asarray(idx[0]).tolist()) == list(range(128, 148))
+
+
+def test_sparse_target_accept_matches_dense():
+    """With top-k, accept() works on the target's k candidates only; its decisions and
+    corrections equal the dense computation's (same keys), so the law is unchanged."""
+    rng = np.random.default_rng(8)
+    b, g, v = 256, 3, 60
+    sp = SamplingParams(0.8, 6, 0.95)
+    draft_logits = jnp.asarray(rng.normal(size=(b, g, v)) * 2, jnp.float32)
+    target = jnp.asarray(rng.normal(size=(b, g + 1, v)) * 2, jnp.float32)
+    drafts, q = sampling.sample(jax.random.PRNGKey(1), draft_logits, sp)
+    q_dense = jnp.zeros((b, g, v)).at[jnp.arange(b)[:, None, None],
+                                      jnp.arange(g)[None, :, None], q[0]].set(q[1])
+    dense_sp = SamplingParams(0.8, v, 0.95)  # top-k off: the dense path ...
+    p_dense = np.exp(np.asarray(process_logits(target, sp)))
+    logits_k = jnp.where(jnp.asarray(p_dense) > 0, target, -1e9)  # ... on the same support
+    for seed in range(3):
+        key = jax.random.PRNGKey(seed)
+        n1, x1 = accept(key, drafts, q, target, sp)
+        n2, _ = accept(key, drafts, q_dense, logits_k, dense_sp)
+        assert n1.tolist() == n2.tolist()
+        assert bool(jnp.all(jnp.asarray(p_dense)[jnp.arange(b), n1, x1] > 0))  # in support
+    assert 0 < int(n1.sum()) < b * g

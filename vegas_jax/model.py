@@ -1,8 +1,9 @@
 """The transformer: pure functions over a params pytree (Llama and Qwen3 families).
 
 One `forward` serves prefill, decode, verify and sparse draft; they differ only in the
-`AttnSpec` handed to the attention dispatch. Layer weights are stacked on a leading axis
-and `lax.scan` walks them, so compile time does not grow with depth.
+`AttnPlan` handed to the attention dispatch. Layer weights are either stacked on a leading
+axis and walked by `lax.scan` (compile time flat in depth) or held one buffer per layer and
+walked by a Python loop (no per-layer slicing on the GPU): `ExecConfig.layers` chooses.
 
 Einsum letters, used throughout the package:
   b batch, t query tokens, s key positions, k KV heads, g query heads per KV head,
@@ -11,62 +12,22 @@ Einsum letters, used throughout the package:
 
 from __future__ import annotations
 
-import functools
-import inspect
-import os
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
 from jax import lax
 
-from vegas_jax.attention import AttnSpec, attention, per_layer_inputs
+from vegas_jax.attention import AttnPlan, attention
 from vegas_jax.cache import KVCache, write_kv
 from vegas_jax.config import ModelConfig, rope_inv_freq
-
-# Which GEMM emitter XLA uses on the GPU, by model width (H200, BENCHMARKS.md "Weight
-# reads"). Qwen3-8B (hidden 4096): decode-shaped matmuls (a few rows against a large
-# weight) through XLA's Triton GEMM read weights at ~1.1 TB/s, through cuBLAS at 2.4-4.3;
-# a B=1/32K decode step goes 14.3 -> 7.9 ms. SmolLM2 (hidden 576): the Triton GEMM wins
-# (B=16/7.7K Vegas 7847 vs 5304 tok/s): its fusions save launches that dominate there.
-# Measured at those two widths only; the cut between them is a guess. VEGAS_TRITON_GEMM=1
-# or 0 forces one. CPU backends ignore the option.
-CUBLAS_MIN_HIDDEN = 2048
-
-
-def compiler_options(cfg: ModelConfig) -> dict:
-    env = os.environ.get("VEGAS_TRITON_GEMM")
-    triton = env == "1" if env in ("0", "1") else cfg.hidden_size < CUBLAS_MIN_HIDDEN
-    return {} if triton else {"xla_gpu_enable_triton_gemm": False}
-
-
-def model_jit(fun=None, **kwargs):
-    """`jax.jit` for functions with a `cfg` argument: compiled with `compiler_options(cfg)`
-    (one jitted variant per option set)."""
-    if fun is None:
-        return functools.partial(model_jit, **kwargs)
-    sig = inspect.signature(fun)
-    variants: dict = {}
-
-    def pick(*args, **kw):
-        opts = compiler_options(sig.bind_partial(*args, **kw).arguments["cfg"])
-        key = tuple(sorted(opts.items()))
-        if key not in variants:
-            variants[key] = jax.jit(fun, compiler_options=opts, **kwargs)
-        return variants[key]
-
-    @functools.wraps(fun)
-    def call(*args, **kw):
-        return pick(*args, **kw)(*args, **kw)
-
-    call.lower = lambda *args, **kw: pick(*args, **kw).lower(*args, **kw)
-    return call
+from vegas_jax.execution import ExecConfig
 
 
 @struct.dataclass
 class LayerParams:
-    """Every field has a leading layer axis L.
+    """Stacked, every field has a leading layer axis L (shapes below); unstacked, one
+    LayerParams per layer without it.
 
     Q/K/V and gate/up projections are stored side by side (`FUSED`): one matmul each,
     fewer launches, and no narrow K/V matmul, which XLA on the GPU lowered as an
@@ -97,7 +58,7 @@ def fused_widths(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 @struct.dataclass
 class Params:
     embed: jax.Array  # [v, h]
-    layers: LayerParams
+    layers: LayerParams | tuple[LayerParams, ...]  # stacked [L, ...] or one per layer
     final_norm: jax.Array  # [h]
     lm_head: jax.Array | None = None  # [h, v]; None when tied to `embed`
 
@@ -125,12 +86,11 @@ def apply_rope(x, cos, sin):
     return (xf * cos[:, :, None, :] + rot * sin[:, :, None, :]).astype(x.dtype)
 
 
-def _layer(cfg: ModelConfig, spec: AttnSpec, cos, sin, positions):
+def _layer(cfg: ModelConfig, xc: ExecConfig, plan: AttnPlan, cos, sin, positions):
     k_heads, g, d = cfg.num_kv_heads, cfg.group_size, cfg.head_dim
 
-    def step(carry, xs):
+    def step(carry, lp: LayerParams, li):
         x, k_cache, v_cache = carry  # x [b, t, h]
-        lp, layer_inputs, li = xs
         b, t, _ = x.shape
         h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
         qkv = jnp.einsum("bth,hn->btn", h, lp.w_qkv)  # [b, t, (n + 2k)*d]
@@ -144,13 +104,13 @@ def _layer(cfg: ModelConfig, spec: AttnSpec, cos, sin, positions):
         q = apply_rope(q, cos, sin).reshape(b, t, k_heads, g, d)  # [b, t, k, g, d]
         k = apply_rope(k, cos, sin)  # [b, t, k, d]
         k_cache, v_cache = write_kv(k_cache, v_cache, li, k, v, positions)
-        o, aux = attention(spec, q, k_cache, v_cache, li, positions, layer_inputs)
+        o, scores = attention(plan, xc, q, k_cache, v_cache, li, positions)
         x = x + jnp.einsum("btn,nh->bth", o.reshape(b, t, -1).astype(x.dtype), lp.wo)
         h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
         gate_up = jnp.einsum("bth,hf->btf", h, lp.w_gate_up)  # [b, t, 2f]
         gate, up = gate_up[..., :cfg.intermediate_size], gate_up[..., cfg.intermediate_size:]
         x = x + jnp.einsum("btf,fh->bth", jax.nn.silu(gate) * up, lp.w_down)
-        return (x, k_cache, v_cache), aux
+        return (x, k_cache, v_cache), scores
 
     return step
 
@@ -158,30 +118,39 @@ def _layer(cfg: ModelConfig, spec: AttnSpec, cos, sin, positions):
 def forward(
     params: Params,
     cfg: ModelConfig,
+    xc: ExecConfig,
     tokens,
     positions,
     cache: KVCache,
-    spec: AttnSpec,
+    plan: AttnPlan,
     logits_at=None,
 ):
     """Run the model on `tokens` [b, t] at `positions` [b, t].
 
-    Writes the new tokens' K/V into `cache` at their positions, then attends as `spec`
+    Writes the new tokens' K/V into `cache` at their positions, then attends as `plan`
     says. `logits_at` [b] picks one position per sequence for the LM head (prefill);
     None returns logits for every position. The cache's `lengths` are not changed here:
     the caller knows how many of the written entries to keep.
 
-    Returns (logits fp32 [b, t or 1, v], cache, aux) where aux holds per-layer captured
-    attention scores when `spec` asks for them.
+    Returns (logits fp32 [b, t or 1, v], cache, scores) where scores stacks the layers'
+    captured attention scores [L, ...] when `plan` asks for a capture (else None).
     """
     x = params.embed[tokens]  # [b, t, h]
     cos, sin = rope_tables(cfg, positions)
-    step = _layer(cfg, spec, cos, sin, positions)
-    xs = (params.layers, per_layer_inputs(spec), jnp.arange(cfg.num_layers))
-    # VEGAS_LAYER_UNROLL (experiment knob): unrolled layers turn the per-layer dynamic
-    # slices of the stacked weights into static ones.
-    unroll = int(os.environ.get("VEGAS_LAYER_UNROLL", "1"))
-    (x, k_cache, v_cache), aux = lax.scan(step, (x, cache.k, cache.v), xs, unroll=unroll)
+    step = _layer(cfg, xc, plan, cos, sin, positions)
+    carry = (x, cache.k, cache.v)
+    if isinstance(params.layers, tuple):
+        # Per-layer weight buffers and static layer indices: nothing is sliced per layer
+        # (in a scan, XLA copies each layer's weight slices before its matmuls).
+        per_layer = []
+        for li, lp in enumerate(params.layers):
+            carry, sc = step(carry, lp, li)
+            per_layer.append(sc)
+        scores = None if plan.capture is None else jnp.stack(per_layer)
+    else:
+        carry, scores = lax.scan(lambda c, xs: step(c, *xs), carry,
+                                 (params.layers, jnp.arange(cfg.num_layers)))
+    x, k_cache, v_cache = carry
     if logits_at is not None:
         x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)  # [b, 1, h]
     x = rms_norm(x, params.final_norm, cfg.rms_norm_eps)
@@ -189,7 +158,29 @@ def forward(
         logits = jnp.einsum("bth,vh->btv", x, params.embed)
     else:
         logits = jnp.einsum("bth,hv->btv", x, params.lm_head)
-    return logits.astype(jnp.float32), cache.replace(k=k_cache, v=v_cache), aux
+    return logits.astype(jnp.float32), cache.replace(k=k_cache, v=v_cache), scores
+
+
+def stack_layers(params: Params) -> Params:
+    """Params with stacked layer weights ([L, ...] per field), whatever their layout."""
+    if not isinstance(params.layers, tuple):
+        return params
+    return params.replace(layers=jax.tree.map(lambda *a: jnp.stack(a), *params.layers))
+
+
+def unstack_layers(params: Params) -> Params:
+    """Params with one weight buffer per layer (a tuple of LayerParams); while the stacked
+    buffers are alive the layer weights are held twice."""
+    if isinstance(params.layers, tuple):
+        return params
+    n = params.layers.attn_norm.shape[0]
+    return params.replace(layers=tuple(
+        jax.tree.map(lambda a, i=i: a[i], params.layers) for i in range(n)))
+
+
+def layout_params(params: Params, xc: ExecConfig) -> Params:
+    """The layer layout `xc.layers` runs on."""
+    return unstack_layers(params) if xc.layers == "unrolled" else stack_layers(params)
 
 
 def init_params(cfg: ModelConfig, key, dtype=jnp.bfloat16, scale: float = 0.02) -> Params:

@@ -43,6 +43,29 @@ jax.tree_util.register_static(SamplingParams)
 # Top-p without top-k ranks this many logits first (a TopK kernel instead of a sort of
 # the vocabulary: on the CPU, [64, 49152] took 624 ms sorted).
 TOP_P_CANDIDATES = 1024
+TOPK_BLOCK = 128
+
+
+def top_k(x, k: int, block: int = TOPK_BLOCK):
+    """The k largest entries of the last axis (values descending, indices): x [..., v].
+
+    Exact up to ties, without sorting a whole row: the winners lie in the k blocks (of
+    `block` entries) with the largest maxima, since a block holding a winner has a maximum
+    at least the k-th value and at most k blocks can (each maximum is itself an entry). One
+    max-reduction over x, then two small top-k's (over the block maxima, over k * block
+    candidates). `lax.top_k` on a 49K vocabulary with k = 20 ran XLA's segmented radix
+    sort on the H200 (~64 us per call at [64, 49152])."""
+    *lead, v = x.shape
+    if k * block * 2 >= v:
+        return lax.top_k(x, k)
+    nb = -(-v // block)
+    xb = jnp.pad(x, [(0, 0)] * len(lead) + [(0, nb * block - v)], constant_values=-jnp.inf)
+    xb = xb.reshape(*lead, nb, block)  # [..., nb, block]
+    _, blocks = lax.top_k(xb.max(axis=-1), k)  # [..., k]
+    cand = jnp.take_along_axis(xb, blocks[..., None], axis=-2)  # [..., k, block]
+    vals, j = lax.top_k(cand.reshape(*lead, k * block), k)
+    idx = jnp.take_along_axis(blocks, j // block, axis=-1) * block + j % block
+    return vals, idx.astype(jnp.int32)
 
 
 def process_logits(logits, sp: SamplingParams):
@@ -53,10 +76,7 @@ def process_logits(logits, sp: SamplingParams):
     x = logits.astype(jnp.float32) / (sp.temperature if sp.temperature > 0 else 1.0)
     v = x.shape[-1]
     if sp.top_k and sp.top_k < v:
-        # The barrier keeps XLA's TopK kernel: sliced directly (the k-th value), XLA
-        # rewrites it into a full sort of the vocabulary (CPU: 3.8 ms -> 475 ms at
-        # [64, 49152], measured).
-        top = lax.optimization_barrier(lax.top_k(x, sp.top_k)[0])  # sorted, descending
+        top = top_k(x, sp.top_k)[0]  # sorted, descending
         x = jnp.where(x < top[..., -1:], -jnp.inf, x)
     else:
         top = None
@@ -79,6 +99,8 @@ def process_logits(logits, sp: SamplingParams):
             if TOP_P_CANDIDATES < v:
                 # The prefix almost always lies in the few largest logits: rank only
                 # those, and sort the vocabulary only when some row's candidates fall short.
+                # (The barrier keeps XLA's TopK kernel: sliced directly, XLA rewrote it into
+                # a full sort of the vocabulary, CPU 3.8 -> 475 ms at [64, 49152].)
                 cand = lax.optimization_barrier(lax.top_k(x, TOP_P_CANDIDATES)[0])
                 probs = jnp.exp(cand - lse)
                 thresh = lax.cond(jnp.all(probs.sum(axis=-1) >= sp.top_p),
@@ -93,42 +115,46 @@ def process_logits(logits, sp: SamplingParams):
     return jax.nn.log_softmax(x, axis=-1)
 
 
+def law(logits, sp: SamplingParams):
+    """The processed distribution of logits [..., v]: dense probabilities [..., v], or with
+    top-k its sparse form (indices [..., k], probabilities [..., k]): only the k largest
+    logits are processed, no vocabulary-sized softmax."""
+    v = logits.shape[-1]
+    if sp.top_k and sp.top_k < v:
+        vals, idx = top_k(logits.astype(jnp.float32), sp.top_k)  # sorted, descending
+        return idx, jnp.exp(process_logits(vals, sp))  # temperature, top-p, min-p over k
+    return jnp.exp(process_logits(logits, sp))
+
+
+def prob_of(p, tokens):
+    """p(tokens) for a law from `law` (dense or sparse) and tokens [...]."""
+    if isinstance(p, tuple):
+        idx, val = p
+        return jnp.sum(jnp.where(idx == tokens[..., None], val, 0.0), axis=-1)
+    return jnp.take_along_axis(p, tokens[..., None], axis=-1)[..., 0]
+
+
 def sample(key, logits, sp: SamplingParams):
-    """Next token [...] from logits [..., v]; also returns the processed probabilities
-    (None when greedy, which needs none)."""
+    """Next token [...] from logits [..., v], and the law it was drawn from (`law`'s
+    form; None when greedy, which needs none). Speculative acceptance is exact for any
+    draft law as long as it is the one actually sampled, so drafts use this too."""
     if sp.greedy:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
-    logp = process_logits(logits, sp)
-    tok = jax.random.categorical(key, logp, axis=-1).astype(jnp.int32)
-    return tok, jnp.exp(logp)
+    p = law(logits, sp)
+    if isinstance(p, tuple):
+        idx, val = p
+        j = jax.random.categorical(key, jnp.log(val), axis=-1)
+        return jnp.take_along_axis(idx, j[..., None], axis=-1)[..., 0], p
+    return jax.random.categorical(key, jnp.log(p), axis=-1).astype(jnp.int32), p
 
 
-def draft_sample(key, logits, sp: SamplingParams):
-    """A draft token [...] from logits [..., v], and the law q it was drawn from, for
-    `accept`.
 
-    With top-k on, only the k largest logits are processed and sampled, and q comes back
-    as (indices [..., k], probabilities [..., k]): no vocabulary-sized softmax, random
-    draw or [b, gamma, v] buffer per draft step. Acceptance is exact for any q as long as
-    it is the law actually sampled, so q need not match the target's processing; it does,
-    except when logits tie at the k-th value (the target then keeps every tied token).
-    """
-    v = logits.shape[-1]
-    if sp.greedy or not sp.top_k or sp.top_k >= v:
-        return sample(key, logits, sp)
-    vals, idx = lax.top_k(logits.astype(jnp.float32), sp.top_k)  # sorted, descending
-    logp = process_logits(vals, sp)  # temperature, top-p, min-p over the k values
-    j = jax.random.categorical(key, logp, axis=-1)
-    tok = jnp.take_along_axis(idx, j[..., None], axis=-1)[..., 0]
-    return tok.astype(jnp.int32), (idx.astype(jnp.int32), jnp.exp(logp))
-
-
-def accept(key, drafts, q_probs, target_logits, sp: SamplingParams):
+def accept(key, drafts, q, target_logits, sp: SamplingParams):
     """Speculative acceptance.
 
-    drafts [b, G] int32; q_probs [b, G, v] processed draft distributions, or their sparse
-    form (indices [b, G, k], probabilities [b, G, k]) from `draft_sample` (None if greedy);
-    target_logits [b, G + 1, v] verify logits (row t predicts the token after row t's input).
+    drafts [b, G] int32; q the draft laws from `sample` ([b, G, v], or with top-k
+    (indices [b, G, k], probabilities [b, G, k]); None if greedy); target_logits
+    [b, G + 1, v] verify logits (row t predicts the token after row t's input).
 
     Returns (n_accepted [b] in 0..G, next_token [b]): the first `n_accepted` drafts are
     kept and `next_token` follows them (the correction at the first rejection, or the bonus
@@ -141,30 +167,33 @@ def accept(key, drafts, q_probs, target_logits, sp: SamplingParams):
         n_acc = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
         return n_acc, jnp.take_along_axis(target, n_acc[:, None], axis=1)[:, 0]
     k_accept, k_resid = jax.random.split(key)
-    p = jnp.exp(process_logits(target_logits, sp))  # [b, G + 1, v]
-    p_d = jnp.take_along_axis(p[:, :gamma], drafts[..., None], axis=-1)[..., 0]
-    sparse = isinstance(q_probs, tuple)
-    if sparse:
-        q_idx, q_val = q_probs  # [b, G, k]
-        q_d = jnp.sum(jnp.where(q_idx == drafts[..., None], q_val, 0.0), axis=-1)
-    else:
-        q_d = jnp.take_along_axis(q_probs, drafts[..., None], axis=-1)[..., 0]
+    p = law(target_logits, sp)  # [b, G + 1, v] or sparse
+    row = lambda law_, r: jax.tree.map(  # noqa: E731  the law at row r [b] of each sequence
+        lambda a: jnp.take_along_axis(a, r[:, None, None], axis=1)[:, 0], law_)
+    p_d = prob_of(jax.tree.map(lambda a: a[:, :gamma], p), drafts)
+    q_d = prob_of(q, drafts)
     u = jax.random.uniform(k_accept, (b, gamma))
     ok = u * q_d < p_d  # accept with probability min(1, p/q)
     n_acc = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
-    p_a = jnp.take_along_axis(p, n_acc[:, None, None], axis=1)[:, 0]  # [b, v]
     # q is zero after the last draft, which turns the residual at position G into p
     # itself: the bonus token comes from the same expression as a correction.
-    if sparse:
-        row = jnp.minimum(n_acc, gamma - 1)[:, None, None]
-        idx_a = jnp.take_along_axis(q_idx, row, axis=1)[:, 0]  # [b, k]
-        val_a = jnp.where((n_acc < gamma)[:, None],
-                          jnp.take_along_axis(q_val, row, axis=1)[:, 0], 0.0)
-        q_a = jnp.zeros_like(p_a).at[jnp.arange(b)[:, None], idx_a].set(val_a)
+    p_a = row(p, n_acc)
+    q_a = row(q, jnp.minimum(n_acc, gamma - 1))
+    live = (n_acc < gamma)[:, None]
+    if isinstance(p_a, tuple):  # the residual lives on p's support: evaluate q there
+        p_idx, p_val = p_a  # [b, k]
+        if isinstance(q_a, tuple):
+            q_at = jnp.sum(jnp.where(q_a[0][:, None, :] == p_idx[:, :, None],
+                                     q_a[1][:, None, :], 0.0), axis=-1)
+        else:
+            q_at = jnp.take_along_axis(q_a, p_idx, axis=-1)
+        q_at = live * q_at
+        j = jax.random.categorical(k_resid, jnp.log(residual(p_val, q_at)), axis=-1)
+        nxt = jnp.take_along_axis(p_idx, j[:, None], axis=-1)[:, 0]
     else:
-        q_pad = jnp.concatenate([q_probs, jnp.zeros_like(q_probs[:, :1])], axis=1)
-        q_a = jnp.take_along_axis(q_pad, n_acc[:, None, None], axis=1)[:, 0]
-    nxt = jax.random.categorical(k_resid, jnp.log(residual(p_a, q_a)), axis=-1)
+        if isinstance(q_a, tuple):
+            q_a = jnp.zeros_like(p_a).at[jnp.arange(b)[:, None], q_a[0]].set(q_a[1])
+        nxt = jax.random.categorical(k_resid, jnp.log(residual(p_a, live * q_a)), axis=-1)
     return n_acc, nxt.astype(jnp.int32)
 
 

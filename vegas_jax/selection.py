@@ -1,97 +1,49 @@
 """Selection strategies: which KV entries each draft step may read.
 
-Every method drives the same model and round; they differ only in what the verify pass
-captures, how the next draft's index set is built, and what draft attention mode runs:
+Every method drives the same model and round. A strategy is a frozen static object that
+owns its whole policy: what the verify pass captures (`capture`), the selection state it
+starts from after the prefill (`init`), the draft's attention plan (`draft_plan`), how a
+verify updates the state (`update`) and the length of the recent tail (`tail_len`).
 
-  vegas      scores from verify rows 0 and gamma ("Collect-2-Query"), top-k per layer
-  vegas-all  scores from all gamma + 1 verify rows
-  last       scores from the row of the last accepted token (SpecExtend-style)
-  stream     sink of the first tokens + recent window, recomputed each draft step
-  quest      pages ranked by the current query against page key bounds, each draft step
+  VerifyGuided("pair")  vegas      scores from verify rows 0 and gamma ("Collect-2-Query")
+  VerifyGuided("all")   vegas-all  scores from all gamma + 1 verify rows
+  VerifyGuided("last")  last       scores from the row of the last accepted token
+  Stream                stream     sink of the first tokens + recent window
+  Quest                 quest      pages ranked by the current query against key bounds
+
+Adding a policy = one class with those five members, registered in `METHODS`. `Auto`
+wraps one of them and lets the decoding loop choose gamma or plain decoding as it goes.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 from jax import lax
 
 from pallas_kernels.topk import select_topk_fast
-
-METHODS = ("vegas", "vegas-all", "last", "stream", "quest", "vanilla")
-VERIFY_GUIDED = ("vegas", "vegas-all", "last")
-SCORES = ("weight", "logit")
-
-
-@dataclasses.dataclass(frozen=True)
-class SpecConfig:
-    """Self-speculative decoding settings.
-
-    method: one of METHODS. gamma: draft tokens per round. sparsity: fraction of the
-    context each draft step reads, in (0, 1]. min_tokens: floor of that budget.
-    score: "weight" (softmax weights, the authors' default) or "logit" (raw logits).
-    sink / page_size: the stream and quest baselines' constants.
-    """
-
-    method: str = "vegas"
-    gamma: int = 6
-    sparsity: float = 0.07
-    min_tokens: int = 256
-    score: str = "weight"
-    sink: int = 16
-    page_size: int = 16
-
-    def __post_init__(self):
-        if self.method not in METHODS:
-            raise ValueError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
-        if int(self.gamma) != self.gamma or self.gamma < 1:
-            raise ValueError(f"gamma must be a whole number >= 1, got {self.gamma}")
-        if not 0 < self.sparsity <= 1:
-            raise ValueError(f"sparsity must be in (0, 1], got {self.sparsity}")
-        if int(self.min_tokens) != self.min_tokens or self.min_tokens < 1:
-            raise ValueError(f"min_tokens must be a whole number >= 1, got {self.min_tokens}")
-        if self.score not in SCORES:
-            raise ValueError(f"score must be one of {SCORES}, got {self.score!r}")
-        if self.sink < 0:
-            raise ValueError(f"sink must be >= 0, got {self.sink}")
-        if self.page_size < 1 or 128 % self.page_size:
-            # cache lengths are multiples of 128, and Quest's pages must tile them
-            raise ValueError(f"page_size must divide 128, got {self.page_size}")
-
-
-jax.tree_util.register_static(SpecConfig)
-
-
-def capture_plan(spec: SpecConfig):
-    """(capture mode, rows) the verify pass must produce for this method."""
-    rows = tuple(range(spec.gamma + 1))
-    if spec.method == "vegas":
-        return "mean", (0, spec.gamma)
-    if spec.method == "vegas-all":
-        return "mean", rows
-    if spec.method == "last":
-        return "rows", rows
-    return "none", (0,)
-
+from vegas_jax.attention import AttnPlan, Capture
 
 # ceil() of a product that should be a whole number can land one above it in floating
 # point (0.07 * 10000 = 700.0000000000001): forgive that much.
 _CEIL_SLACK = 1e-3
 
 
-def max_budget(spec: SpecConfig, max_len: int) -> int:
-    """Static upper bound of the budget: the padded size of every index list."""
-    return min(max(math.ceil(spec.sparsity * max_len - _CEIL_SLACK), spec.min_tokens), max_len)
-
-
 def _ceil_frac(sparsity, n):
     return jnp.ceil(sparsity * n.astype(jnp.float32) - _CEIL_SLACK).astype(jnp.int32)
 
 
-def budget(spec: SpecConfig, n, max_len: int):
+def max_budget(spec, max_len: int) -> int:
+    """Static upper bound of the budget: the padded size of every index list."""
+    return min(max(math.ceil(spec.sparsity * max_len - _CEIL_SLACK), spec.min_tokens), max_len)
+
+
+def budget(spec, n, max_len: int):
     """Tokens to select when the ranked range ends at position n (DESIGN §1.3).
 
     k = clip(ceil(sparsity * (n + gamma + 1)), min_tokens, max_budget), at most n + 1.
@@ -101,11 +53,11 @@ def budget(spec: SpecConfig, n, max_len: int):
     return jnp.minimum(k, n + 1)
 
 
-def select_topk(scores, r_end, spec: SpecConfig, max_len: int):
-    """Per (layer, sequence) top-k over the ranked range 0..r_end.
+def select_topk(scores, r_end, spec, max_len: int):
+    """Per (layer, sequence) top-`budget` over the ranked range 0..r_end.
 
-    scores [L, b, s]; r_end [b]. Returns idx [L, b, K] (order irrelevant; entries past
-    count are valid positions that the draft masks) and count [L, b].
+    scores [L, b, s]; r_end [b]. Returns idx [L, b, K] (the best `count` first; entries
+    past count are valid positions that the draft masks) and count [L, b].
     """
     s = scores.shape[-1]
     ranked = jnp.arange(s)[None, None, :] <= r_end[None, :, None]
@@ -121,9 +73,116 @@ def select_topk(scores, r_end, spec: SpecConfig, max_len: int):
     return idx.astype(jnp.int32), count
 
 
-def pick_rows(scores, n_acc):
-    """`last`: keep the score row of the last accepted token. scores [L, b, r, s]."""
-    return jnp.take_along_axis(scores, n_acc[None, :, None, None], axis=2)[:, :, 0]
+class Method:
+    """Base of every decoding method. `speculative` is False for plain decoding."""
+
+    name: ClassVar[str]
+    speculative: ClassVar[bool] = True
+
+    def capture(self, spec) -> Capture | None:
+        return None
+
+    def tail_len(self, spec, max_len: int) -> int:
+        raise NotImplementedError
+
+    def init(self, spec, cache, scores, lens) -> Any:
+        """The first selection state, from the prefill (`scores` from the last prompt
+        token's row when `capture` asks for any)."""
+        return None
+
+    def draft_plan(self, spec, sel, cache, pos) -> AttnPlan:
+        """The draft step's attention at query positions pos [b]; cache.lengths = n."""
+        raise NotImplementedError
+
+    def update(self, spec, sel, scores, cache, n, n_acc) -> Any:
+        """The next round's selection state after a verify of the round that started at
+        n [b] and accepted n_acc [b] drafts (cache: the verified cache, lengths still n)."""
+        return sel
+
+
+@struct.dataclass
+class TopK:
+    idx: jax.Array  # [L, b, K] positions, best first
+    count: jax.Array  # [L, b]
+    end: jax.Array  # [b] first position after the ranked range
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifyGuided(Method):
+    """Vegas and its variants: the verify pass's own attention ranks the context, per layer.
+    rows: "pair" (rows 0 and gamma, the paper's Collect-2-Query), "all" (every verify row)
+    or "last" (the row of the last accepted token, SpecExtend-style)."""
+
+    rows: str = "pair"
+    NAMES: ClassVar[dict] = {"pair": "vegas", "all": "vegas-all", "last": "last"}
+
+    def __post_init__(self):
+        if self.rows not in self.NAMES:
+            raise ValueError(f"rows must be one of {tuple(self.NAMES)}, got {self.rows!r}")
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        return self.NAMES[self.rows]
+
+    def capture(self, spec):
+        every = tuple(range(spec.gamma + 1))
+        if self.rows == "pair":
+            return Capture((0, spec.gamma), "mean", spec.score)
+        return Capture(every, "mean" if self.rows == "all" else "rows", spec.score)
+
+    def tail_len(self, spec, max_len):
+        # after a verify the ranked range ends at n; the tail then holds up to gamma
+        # accepted tokens + the bonus + gamma - 1 drafts
+        return 2 * spec.gamma + 1
+
+    def init(self, spec, cache, scores, lens):
+        # The last prompt token's row ranks the whole prompt.
+        idx, count = select_topk(scores, lens - 1, spec, cache.max_len)
+        return TopK(idx, count, lens)
+
+    def draft_plan(self, spec, sel, cache, pos):
+        return AttnPlan(mode="sparse", tail_len=self.tail_len(spec, cache.max_len),
+                        idx=sel.idx, count=sel.count, tail_start=sel.end)
+
+    def update(self, spec, sel, scores, cache, n, n_acc):
+        if self.rows == "last":  # scores [L, b, r, s]: keep the last accepted token's row
+            scores = jnp.take_along_axis(scores, n_acc[None, :, None, None], axis=2)[:, :, 0]
+        idx, count = select_topk(scores, n, spec, cache.max_len)
+        return TopK(idx, count, n + 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Stream(Method):
+    """MagicDec-Stream: the first `sink` tokens plus a recent window of the budget's size,
+    recomputed at every draft step; query-agnostic."""
+
+    sink: int = 16
+    name: ClassVar[str] = "stream"
+
+    def __post_init__(self):
+        if self.sink < 0:
+            raise ValueError(f"sink must be >= 0, got {self.sink}")
+
+    def tail_len(self, spec, max_len):
+        return max_budget(spec, max_len)
+
+    def draft_plan(self, spec, sel, cache, pos):
+        max_len = cache.max_len
+        w = jnp.clip(_ceil_frac(spec.sparsity, pos + 1), spec.min_tokens,
+                     max_budget(spec, max_len))
+        start = jnp.maximum(pos + 1 - w, 0)  # the window; the sink shrinks where it reaches
+        b = pos.shape[0]
+        n_sink = max(self.sink, 1)
+        idx = jnp.broadcast_to(jnp.arange(n_sink, dtype=jnp.int32), (1, b, n_sink))
+        count = jnp.minimum(self.sink, start)[None, :]
+        return AttnPlan(mode="sparse", tail_len=self.tail_len(spec, max_len), layered=False,
+                        idx=idx, count=count, tail_start=start)
+
+
+@struct.dataclass
+class PageBounds:
+    page_min: jax.Array  # [L, b, k, P, d] element-wise key minimum of each page
+    page_max: jax.Array
 
 
 def page_bounds(k_cache, page_size):
@@ -133,26 +192,143 @@ def page_bounds(k_cache, page_size):
     return pages.min(axis=4), pages.max(axis=4)
 
 
-def update_page_bounds(page_min, page_max, k_cache, first_page, n_pages, page_size):
-    """Recompute `n_pages` pages per sequence from `first_page` [b] on: the pages that a
-    round can complete, so Quest's metadata costs O(gamma) per round, not O(context)."""
-    width = n_pages * page_size
+@dataclasses.dataclass(frozen=True)
+class QuestPicker:
+    """Quest's per-layer page choice, run inside the draft's attention (it needs the query)."""
 
-    def one(kc, pmin, pmax, p0):  # kc [L, k, s, d], pmin [L, k, P, d]
-        chunk = lax.dynamic_slice_in_dim(kc, p0 * page_size, width, axis=2)
-        lo, hi = page_bounds(chunk[:, None], page_size)
-        return (lax.dynamic_update_slice_in_dim(pmin, lo[:, 0], p0, axis=2),
-                lax.dynamic_update_slice_in_dim(pmax, hi[:, 0], p0, axis=2))
+    page_size: int
+    max_pages: int
 
-    lo, hi = jax.vmap(one, in_axes=(1, 1, 1, 0), out_axes=1)(k_cache, page_min, page_max,
-                                                             first_page)
-    return lo, hi
+    def pick(self, q, inputs, layer, tail_start):
+        """q [b, 1, k, g, d]. Page score = sum over the KV head's query heads of
+        sum_d max(q_d * kmin_d, q_d * kmax_d), an upper bound of q.k inside the page.
+        Returns idx [b, k, max_pages * page_size] and count [b, k]."""
+        page_min, page_max, page_budget = inputs
+        ready_pages = tail_start // self.page_size  # pages whose keys are all committed
+        qf = q[:, 0].astype(jnp.float32)[:, :, :, None, :]  # [b, k, g, 1, d]
+        lo = page_min[layer].astype(jnp.float32)[:, :, None]  # [b, k, 1, P, d]
+        hi = page_max[layer].astype(jnp.float32)[:, :, None]
+        score = jnp.maximum(qf * lo, qf * hi).sum(axis=(2, 4))  # [b, k, P]
+        ready = jnp.arange(score.shape[-1])[None, None, :] < ready_pages[:, None, None]
+        score = jnp.where(ready, score, -jnp.inf)
+        _, pages = lax.top_k(score, self.max_pages)  # [b, k, max_pages]
+        idx = pages[..., None] * self.page_size + jnp.arange(self.page_size)
+        b, kh = pages.shape[:2]
+        count = jnp.minimum(page_budget, ready_pages)[:, None] * self.page_size
+        return idx.reshape(b, kh, -1).astype(jnp.int32), jnp.broadcast_to(count, (b, kh))
 
 
-def stream_window(spec: SpecConfig, pos, max_len: int):
-    """Stream's draft inputs at query positions pos [b]: the sink positions (fewer when
-    the window already reaches them) and where the recent window starts."""
-    w = jnp.clip(_ceil_frac(spec.sparsity, pos + 1), spec.min_tokens, max_budget(spec, max_len))
-    start = jnp.maximum(pos + 1 - w, 0)
-    sink_count = jnp.minimum(spec.sink, start)
-    return sink_count, start
+@dataclasses.dataclass(frozen=True)
+class Quest(Method):
+    """MagicDec-Quest: per KV head, the top pages by the query against each page's
+    element-wise key min/max, recomputed at every draft step (that is its overhead)."""
+
+    page_size: int = 16
+    name: ClassVar[str] = "quest"
+
+    def __post_init__(self):
+        if self.page_size < 1 or 128 % self.page_size:
+            # cache lengths are multiples of 128, and Quest's pages must tile them
+            raise ValueError(f"page_size must divide 128, got {self.page_size}")
+
+    def extra_len(self) -> int:
+        return self.page_size  # the page refresh reads a page beyond the last write
+
+    def tail_len(self, spec, max_len):
+        # from the last complete page's end (< page_size behind n) to the last draft, n + gamma - 1
+        return self.page_size + spec.gamma
+
+    def init(self, spec, cache, scores, lens):
+        return PageBounds(*page_bounds(cache.k, self.page_size))
+
+    def draft_plan(self, spec, sel, cache, pos):
+        n = cache.lengths
+        ready = (n // self.page_size) * self.page_size
+        max_pages = -(-max_budget(spec, cache.max_len) // self.page_size)
+        k = budget(spec, pos, cache.max_len)
+        return AttnPlan(mode="sparse", tail_len=self.tail_len(spec, cache.max_len),
+                        picker=QuestPicker(self.page_size, max_pages), tail_start=ready,
+                        picker_inputs=(sel.page_min, sel.page_max, -(-k // self.page_size)))
+
+    def update(self, spec, sel, scores, cache, n, n_acc):
+        """Recompute the pages a round can complete, from n's page on: O(gamma) per round."""
+        p = self.page_size
+        width = (-(-(spec.gamma + 2) // p) + 1) * p
+
+        def one(kc, pmin, pmax, p0):  # kc [L, k, s, d], pmin [L, k, P, d]
+            chunk = lax.dynamic_slice_in_dim(kc, p0 * p, width, axis=2)
+            lo, hi = page_bounds(chunk[:, None], p)
+            return (lax.dynamic_update_slice_in_dim(pmin, lo[:, 0], p0, axis=2),
+                    lax.dynamic_update_slice_in_dim(pmax, hi[:, 0], p0, axis=2))
+
+        lo, hi = jax.vmap(one, in_axes=(1, 1, 1, 0), out_axes=1)(
+            cache.k, sel.page_min, sel.page_max, n // p)
+        return PageBounds(lo, hi)
+
+
+@dataclasses.dataclass(frozen=True)
+class Auto(Method):
+    """Choose gamma, or plain decoding, while generating: a cost model of the measured time
+    of each configuration's device calls and the acceptance seen so far (`speculative.
+    AutoController`). Drafts read what `base` selects; the sparsity stays as configured."""
+
+    base: Method = VerifyGuided("pair")
+    gammas: tuple[int, ...] = (2, 4, 6, 8, 10, 12)
+    name: ClassVar[str] = "auto"
+
+    def __post_init__(self):
+        if not self.base.speculative or isinstance(self.base, Auto):
+            raise ValueError("auto needs a speculative base method")
+        if not self.gammas or min(self.gammas) < 1:
+            raise ValueError(f"gammas must be whole numbers >= 1, got {self.gammas}")
+
+    def capture(self, spec):
+        return self.base.capture(spec)
+
+    def tail_len(self, spec, max_len):
+        return self.base.tail_len(spec, max_len)
+
+    def init(self, spec, cache, scores, lens):
+        return self.base.init(spec, cache, scores, lens)
+
+    def draft_plan(self, spec, sel, cache, pos):
+        return self.base.draft_plan(spec, sel, cache, pos)
+
+    def update(self, spec, sel, scores, cache, n, n_acc):
+        return self.base.update(spec, sel, scores, cache, n, n_acc)
+
+    def extra_len(self) -> int:
+        return getattr(self.base, "extra_len", lambda: 0)()
+
+
+@dataclasses.dataclass(frozen=True)
+class Vanilla(Method):
+    """Plain autoregressive decoding with full attention (no speculation)."""
+
+    name: ClassVar[str] = "vanilla"
+    speculative: ClassVar[bool] = False
+
+
+METHODS: dict[str, Method] = {
+    "vegas": VerifyGuided("pair"),
+    "vegas-all": VerifyGuided("all"),
+    "last": VerifyGuided("last"),
+    "stream": Stream(),
+    "quest": Quest(),
+    "vanilla": Vanilla(),
+    "auto": Auto(),
+}
+SCORES = ("weight", "logit")
+
+
+def method_named(method: str | Method) -> Method:
+    """The strategy object for a CLI / API method name (exact lookup), or the object itself."""
+    if isinstance(method, Method):
+        return method
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+    return METHODS[method]
+
+
+for _cls in (VerifyGuided, Stream, Quest, QuestPicker, Auto, Vanilla):
+    jax.tree_util.register_static(_cls)

@@ -1,10 +1,13 @@
 """Self-speculative decoding: sparse drafts, one full verify, selection from the verify's
-own attention, lossless acceptance. One jitted round; the Python loop only streams."""
+own attention, lossless acceptance. One jitted round (paper §3: draft, verify, accept,
+select); which KV entries a draft reads is the method's business (`selection`)."""
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -12,16 +15,54 @@ import numpy as np
 from flax import struct
 from jax import lax
 
-from vegas_jax import selection as sel
-from vegas_jax.attention import AttnSpec
+from vegas_jax.attention import AttnPlan, Capture
 from vegas_jax.cache import KVCache
 from vegas_jax.config import ModelConfig
-from vegas_jax.generate import (
-    DecodeClock, GenerationResult, TokenCollector, decode_text, eos_ids, generate, prefill_prompts, start,
+from vegas_jax.execution import ExecConfig, model_jit
+from vegas_jax.generate import DecodeState, decode_steps, generate
+from vegas_jax.model import forward
+from vegas_jax.runtime import (
+    DecodeClock, GenerationResult, Progress, TokenCollector, decode_text, drive, eos_ids,
+    prefill_prompts, start,
 )
-from vegas_jax.model import forward, model_jit
-from vegas_jax.sampling import SamplingParams, accept, draft_sample, sample
-from vegas_jax.selection import SpecConfig
+from vegas_jax.sampling import SamplingParams, accept, sample
+from vegas_jax.selection import SCORES, Auto, Method, method_named
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecConfig:
+    """Self-speculative decoding settings.
+
+    method: a name from `selection.METHODS` ("vegas", "vegas-all", "last", "stream",
+    "quest", "vanilla") or a strategy object (e.g. `Stream(sink=4)`); names become objects
+    here, once. gamma: draft tokens per round. sparsity: fraction of the context each draft
+    step reads, in (0, 1]. min_tokens: floor of that budget. score: "weight" (softmax
+    weights, the authors' default) or "logit" (raw logits).
+    """
+
+    method: Method | str = "vegas"
+    gamma: int = 6
+    sparsity: float = 0.07
+    min_tokens: int = 256
+    score: str = "weight"
+
+    def __post_init__(self):
+        object.__setattr__(self, "method", method_named(self.method))
+        if int(self.gamma) != self.gamma or self.gamma < 1:
+            raise ValueError(f"gamma must be a whole number >= 1, got {self.gamma}")
+        if not 0 < self.sparsity <= 1:
+            raise ValueError(f"sparsity must be in (0, 1], got {self.sparsity}")
+        if int(self.min_tokens) != self.min_tokens or self.min_tokens < 1:
+            raise ValueError(f"min_tokens must be a whole number >= 1, got {self.min_tokens}")
+        if self.score not in SCORES:
+            raise ValueError(f"score must be one of {SCORES}, got {self.score!r}")
+
+    @property
+    def name(self) -> str:
+        return self.method.name
+
+
+jax.tree_util.register_static(SpecConfig)
 
 
 @struct.dataclass
@@ -29,65 +70,24 @@ class SpecState:
     cache: KVCache  # lengths = committed tokens n
     x0: jax.Array  # [b] last emitted token; sits at position n, not yet in the cache
     key: jax.Array
-    sel_idx: jax.Array | None = None  # [L, b, K] verify-guided selection
-    sel_count: jax.Array | None = None  # [L, b]
-    sel_end: jax.Array | None = None  # [b] first position after the ranked range
-    page_min: jax.Array | None = None  # [L, b, k, P, d] quest
-    page_max: jax.Array | None = None
+    sel: Any  # the method's selection state (`Method.init` / `update`)
+    progress: Progress
 
 
-def tail_len(spec: SpecConfig, max_len: int) -> int:
-    """Static length of the contiguous tail every draft step reads."""
-    if spec.method == "stream":
-        return sel.max_budget(spec, max_len)
-    if spec.method == "quest":
-        # from the last complete page's end (< page_size behind n) to the last draft, n + gamma - 1
-        return spec.page_size + spec.gamma
-    # after a verify the ranked range ends at n; the tail then holds up to gamma accepted
-    # tokens + the bonus + gamma - 1 drafts
-    return 2 * spec.gamma + 1
-
-
-def _draft_spec(spec: SpecConfig, state: SpecState, pos, impl, cfg, max_len):
-    L = cfg.num_layers
-    if spec.method in sel.VERIFY_GUIDED:
-        return AttnSpec(mode="sparse", impl=impl, tail_len=tail_len(spec, max_len),
-                        idx=state.sel_idx, count=state.sel_count, tail_start=state.sel_end)
-    if spec.method == "stream":
-        sink_count, start = sel.stream_window(spec, pos, max_len)
-        b = pos.shape[0]
-        n_sink = max(spec.sink, 1)
-        idx = jnp.broadcast_to(jnp.arange(n_sink, dtype=jnp.int32), (L, b, n_sink))
-        count = jnp.broadcast_to(sink_count, (L, b))
-        return AttnSpec(mode="sparse", impl=impl, tail_len=tail_len(spec, max_len),
-                        idx=idx, count=count, tail_start=start)
-    if spec.method == "quest":
-        n = state.cache.lengths
-        k = sel.budget(spec, pos, max_len)
-        ready = (n // spec.page_size) * spec.page_size
-        max_pages = -(-sel.max_budget(spec, max_len) // spec.page_size)
-        return AttnSpec(mode="quest", impl=impl, tail_len=tail_len(spec, max_len),
-                        page_size=spec.page_size, max_pages=max_pages, tail_start=ready,
-                        page_min=state.page_min, page_max=state.page_max,
-                        page_budget=-(-k // spec.page_size))
-    raise ValueError(f"no draft for method {spec.method!r}")
-
-
-def draft_phase(params, cfg: ModelConfig, state: SpecState, key, spec: SpecConfig,
-                sp: SamplingParams, impl: str):
+def draft_phase(params, cfg: ModelConfig, xc: ExecConfig, state: SpecState, key,
+                spec: SpecConfig, sp: SamplingParams):
     """gamma sparse single-token steps (a scan). Each writes its K/V at its true position
     (the verify rewrites them). Returns (cache, drafts [b, gamma], q): q is None (greedy),
     [b, gamma, v], or with top-k its sparse form ([b, gamma, k] indices, probabilities)."""
     n = state.cache.lengths
-    max_len = state.cache.max_len
 
     def step(carry, xs):
         cache, tok = carry
         j, k = xs
         pos = n + j
-        aspec = _draft_spec(spec, state, pos, impl, cfg, max_len)
-        logits, cache, _ = forward(params, cfg, tok[:, None], pos[:, None], cache, aspec)
-        nxt, q = draft_sample(k, logits[:, 0], sp)
+        plan = spec.method.draft_plan(spec, state.sel, state.cache, pos)
+        logits, cache, _ = forward(params, cfg, xc, tok[:, None], pos[:, None], cache, plan)
+        nxt, q = sample(k, logits[:, 0], sp)
         return (cache, nxt), (nxt, q)
 
     (cache, _), (drafts, q) = lax.scan(
@@ -97,73 +97,185 @@ def draft_phase(params, cfg: ModelConfig, state: SpecState, key, spec: SpecConfi
     return cache, drafts.T, jax.tree.map(lambda a: a.swapaxes(0, 1), q)
 
 
-def verify_phase(params, cfg: ModelConfig, cache: KVCache, x0, drafts, spec: SpecConfig,
-                 impl: str, capture: bool = True):
+def verify_phase(params, cfg: ModelConfig, xc: ExecConfig, cache: KVCache, x0, drafts,
+                 capture: Capture | None):
     """Full causal attention over x0, d_1..d_gamma at positions n..n+gamma: rewrites their
     K/V and, in the same attention call, captures the next selection's scores.
-    Returns (logits [b, gamma + 1, v], cache, scores)."""
-    mode, rows = sel.capture_plan(spec) if capture else ("none", (0,))
+    Returns (logits [b, gamma + 1, v], cache, scores | None)."""
     n = cache.lengths
     vtok = jnp.concatenate([x0[:, None], drafts], axis=1)
-    vpos = n[:, None] + jnp.arange(spec.gamma + 1, dtype=jnp.int32)
-    vspec = AttnSpec(impl=impl, capture=mode, capture_rows=rows, score=spec.score)
-    return forward(params, cfg, vtok, vpos, cache, vspec)
+    vpos = n[:, None] + jnp.arange(drafts.shape[1] + 1, dtype=jnp.int32)
+    return forward(params, cfg, xc, vtok, vpos, cache, AttnPlan(capture=capture))
 
 
-def select_phase(state: SpecState, scores, n, n_acc, spec: SpecConfig) -> SpecState:
-    """The next draft's inputs: top-k of the verify scores over the ranked range 0..n, or
-    Quest's page bounds for the pages this round completed."""
-    max_len = state.cache.max_len
-    if spec.method in sel.VERIFY_GUIDED:
-        if spec.method == "last":
-            scores = sel.pick_rows(scores, n_acc)
-        idx, count = sel.select_topk(scores, n, spec, max_len)
-        return state.replace(sel_idx=idx, sel_count=count, sel_end=n + 1)
-    if spec.method == "quest":
-        width = -(-(spec.gamma + 2) // spec.page_size) + 1
-        lo, hi = sel.update_page_bounds(state.page_min, state.page_max, state.cache.k,
-                                        n // spec.page_size, width, spec.page_size)
-        return state.replace(page_min=lo, page_max=hi)
-    return state
-
-
-@model_jit(static_argnames=("cfg", "spec", "sp", "impl"), donate_argnames=("state",))
-def spec_round(params, cfg: ModelConfig, state: SpecState, active, spec: SpecConfig,
-               sp: SamplingParams, impl: str):
+@model_jit(static_argnames=("cfg", "xc", "spec", "sp"), donate_argnames=("state",))
+def spec_round(params, cfg: ModelConfig, xc: ExecConfig, state: SpecState, spec: SpecConfig,
+               sp: SamplingParams):
     """One round: gamma sparse drafts, one verify, acceptance, the next selection.
 
-    Returns (state, emitted [b, gamma + 1] with -1 after the last emitted token,
-    n_accepted [b]). Inactive sequences keep their length and last token.
+    Returns (state, emitted [b, gamma + 1] with -1 after the last kept token, done [b],
+    n_accepted [b], active [b] at the round's start). Finished sequences keep their length
+    and token. (No `lax.cond` skips a round where everything has finished: a conditional
+    over the donated state makes XLA copy the whole cache, on the H200 18 ms a round at
+    SmolLM2 B = 64 / 7.7K.)
     """
+
     gamma = spec.gamma
     n = state.cache.lengths  # [b]
+    active = ~state.progress.done
     key, k_draft, k_acc = jax.random.split(state.key, 3)
-    cache, drafts, q = draft_phase(params, cfg, state, k_draft, spec, sp, impl)
-    logits, cache, scores = verify_phase(params, cfg, cache, state.x0, drafts, spec, impl)
+    cache, drafts, q = draft_phase(params, cfg, xc, state, k_draft, spec, sp)
+    logits, cache, scores = verify_phase(params, cfg, xc, cache, state.x0, drafts,
+                                         spec.method.capture(spec))
     n_acc, nxt = accept(k_acc, drafts, q, logits, sp)
-
     slot = jnp.arange(gamma + 1)[None, :]
     padded = jnp.concatenate([drafts, jnp.zeros_like(drafts[:, :1])], axis=1)
     emitted = jnp.where(slot < n_acc[:, None], padded,
                         jnp.where(slot == n_acc[:, None], nxt[:, None], -1))
-    new = state.replace(cache=cache, key=key)
-    new = select_phase(new, scores, n, n_acc, spec)
-    new = new.replace(cache=cache.replace(lengths=jnp.where(active, n + n_acc + 1, n)),
-                      x0=jnp.where(active, nxt, state.x0))
-    return new, emitted, n_acc
+    emitted, progress = state.progress.emit(jnp.where(active[:, None], emitted, -1))
+    sel = spec.method.update(spec, state.sel, scores, cache, n, n_acc)
+    new = SpecState(cache=cache.replace(lengths=jnp.where(active, n + n_acc + 1, n)),
+                    x0=jnp.where(active, nxt, state.x0), key=key, sel=sel, progress=progress)
+    return new, emitted, jnp.copy(progress.done), n_acc, active
 
 
-def init_state(spec: SpecConfig, cache: KVCache, x0, key, scores, lens) -> SpecState:
-    state = SpecState(cache=cache, x0=x0, key=key)
-    max_len = cache.max_len
-    if spec.method in sel.VERIFY_GUIDED:
-        # First selection: the last prompt token's row ranks the whole prompt.
-        idx, count = sel.select_topk(scores, lens - 1, spec, max_len)
-        state = state.replace(sel_idx=idx, sel_count=count, sel_end=lens)
-    elif spec.method == "quest":
-        lo, hi = sel.page_bounds(cache.k, spec.page_size)
-        state = state.replace(page_min=lo, page_max=hi)
-    return state
+def init_state(spec: SpecConfig, cache: KVCache, x0, key, scores, lens,
+               progress: Progress) -> SpecState:
+    sel = spec.method.init(spec, cache, scores, lens)
+    return SpecState(cache=cache, x0=x0, key=key, sel=sel, progress=progress)
+
+
+def prefill_capture(spec: SpecConfig) -> Capture | None:
+    """The prefill's capture: the last prompt token's row, when the method ranks anything."""
+    cap = spec.method.capture(spec)
+    return None if cap is None else Capture((0,), "mean", cap.score)
+
+
+class AutoController:
+    """Chooses each device call of `method="auto"`: a round at one of the candidate gammas,
+    or VANILLA_STEPS plain decoding steps.
+
+    Cost model, updated online: the device time of a call of each configuration (the
+    interval between reading consecutive outputs, which the one call in flight makes the
+    device's time), a line t(gamma) = a + b * gamma through the round times seen, and
+    tau(gamma) = 1 + sum_i prod_{j <= i} a_j from the conditional acceptance a_j of draft
+    position j seen so far (positions not yet drafted take the last one seen). Each call
+    goes to the configuration with the most tokens per second (tau / t for rounds,
+    VANILLA_STEPS / t for plain steps). It first measures the configured gamma, then plain
+    decoding and a second gamma (WINDOW calls each) as soon as they are compiled: the other
+    configurations compile on a background thread (`prepare`), so choosing never stalls
+    the device on a compile."""
+
+    WINDOW = 4
+    VANILLA_STEPS = 8
+
+    def __init__(self, spec: SpecConfig):
+        self.spec = spec
+        gammas = sorted(set(spec.method.gammas) | {spec.gamma})
+        self.gammas = gammas
+        g0 = spec.gamma
+        g1 = next((g for g in gammas if g >= g0 + 4), None) or next(
+            (g for g in reversed(gammas) if g != g0), g0)
+        self.explore = [0, g1]  # after g0; each once compiled
+        self.queue = [g0] * self.WINDOW
+        self.times: dict[int, list[float]] = collections.defaultdict(list)
+        top = max(gammas)
+        self.trials = np.zeros(top + 1)
+        self.hits = np.zeros(top + 1)
+        self.in_flight: collections.deque = collections.deque()
+        self.last_read = None
+        self.calls = collections.Counter()
+        self.calls_read = collections.Counter()
+        self.runners: dict[int, Callable] = {}
+        self.futures: dict = {}
+
+    def prepare(self, make: Callable[[int], Callable], first: Callable):
+        """`first` runs the configured gamma (compiled on its first call); `make(config)`
+        compiles another configuration and returns its runner (on a worker thread)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.runners[self.spec.gamma] = first
+        pool = ThreadPoolExecutor(1, thread_name_prefix="vegas-auto-compile")
+        order = self.explore + [g for g in self.gammas if g not in self.explore]
+        for c in order:
+            if c != self.spec.gamma:
+                self.futures[c] = pool.submit(make, c)
+        pool.shutdown(wait=False)
+
+    def ready(self, config: int) -> bool:
+        if config not in self.runners and config in self.futures and self.futures[config].done():
+            self.runners[config] = self.futures[config].result()
+        return config in self.runners
+
+    def choose(self) -> int:
+        """The next call's configuration: a gamma, or 0 for plain decoding."""
+        if not self.queue and self.explore and self.ready(self.explore[0]):
+            self.queue = [self.explore.pop(0)] * self.WINDOW
+        if self.queue:
+            return self.queue.pop(0)
+        rates = {c: r for c, r in self.rates().items() if self.ready(c)}
+        return max(rates, key=rates.get) if rates else self.spec.gamma
+
+    def run(self, config: int, state):
+        self.in_flight.append(config)
+        self.calls[config] += 1
+        return self.runners[config](state)
+
+    def read(self, n_acc=None, active=None):
+        """Called as each call's output is read, in dispatch order."""
+        config = self.in_flight.popleft()
+        now = time.perf_counter()
+        if self.last_read is not None and self.calls_read[config]:
+            self.times[config].append(now - self.last_read)  # a config's first call: not timed
+        self.calls_read[config] += 1
+        self.last_read = now
+        if config and n_acc is not None:
+            acc = n_acc[active]
+            for j in range(1, config + 1):
+                self.trials[j] += (acc >= j - 1).sum()
+                self.hits[j] += (acc >= j).sum()
+
+    def tau(self, gamma: int) -> float:
+        seen = self.trials > 0
+        if not seen.any():
+            return 1.0
+        alpha = np.where(seen, self.hits / np.maximum(self.trials, 1), 0.0)
+        last = alpha[np.nonzero(seen)[0].max()]
+        alpha = np.where(seen, alpha, last)
+        return 1.0 + float(np.cumprod(alpha[1:gamma + 1]).sum())
+
+    def round_time(self, gamma: int) -> float | None:
+        pts = [(g, float(np.median(t[-8:]))) for g, t in self.times.items() if g and t]
+        if not pts:
+            return None
+        if len(pts) == 1:  # one gamma seen: time proportional to drafts + verify
+            g, t = pts[0]
+            return t * (gamma + 1) / (g + 1)
+        gs, ts = np.array(pts).T
+        b, a = np.polyfit(gs, ts, 1)
+        if b <= 0 or a < 0:  # noise: fall back to the cheapest gamma's time per draft + 1
+            g, t = min(pts, key=lambda p: p[1] / (p[0] + 1))
+            return t * (gamma + 1) / (g + 1)
+        return a + b * gamma
+
+    def rates(self) -> dict[int, float]:
+        out = {}
+        if self.times.get(0):
+            out[0] = self.VANILLA_STEPS / float(np.median(self.times[0][-8:]))
+        for g in self.gammas:
+            t = self.round_time(g)
+            if t is not None:
+                out[g] = self.tau(g) / t
+        return out
+
+    def stats(self) -> dict:
+        rates = self.rates()
+        name = lambda c: "vanilla" if c == 0 else f"gamma {c}"  # noqa: E731
+        return {
+            "calls": {name(c): n for c, n in sorted(self.calls.items())},
+            "tokens_per_s_per_seq": {name(c): float(r) for c, r in sorted(rates.items())},
+            "choice": name(max(rates, key=rates.get)) if rates else None,
+        }
 
 
 def speculative_generate(
@@ -177,60 +289,104 @@ def speculative_generate(
     attn_impl: str | None = None,
 ) -> GenerationResult:
     """Self-speculative decoding of a batch; output has the vanilla distribution
-    (greedy: the same tokens). `spec.method="vanilla"` runs plain decoding."""
+    (greedy: the same tokens). `spec.method="vanilla"` runs plain decoding; "auto" chooses
+    gamma or plain decoding as it goes (`AutoController`)."""
     if not isinstance(spec, SpecConfig):
         raise TypeError("spec must be a SpecConfig")
-    if spec.method == "vanilla":
+    if not spec.method.speculative:
         res = generate(model, prompts, max_new_tokens, sampling, seed, on_tokens, attn_impl)
         steps = max(len(t) for t in res.tokens) - 1  # one token per step after the prefill's
         res.stats.update(tau=1.0, gamma=0, acceptance_by_position=[], rounds=steps)
         return res
     cfg = model.config
-    gamma = spec.gamma
+    auto = AutoController(spec) if isinstance(spec.method, Auto) else None
+    gamma = max(auto.gammas) if auto else spec.gamma
     # Room past the last kept token: a round writes gamma + 1 entries after n, and the last
     # round may overshoot max_new_tokens by gamma; Quest's page refresh reads a page beyond.
-    extra = 2 * gamma + 2 + (spec.page_size if spec.method == "quest" else 0)
-    ids, cache, impl = start(model, prompts, max_new_tokens, sampling, extra, attn_impl)
+    extra = 2 * gamma + 2 + getattr(spec.method, "extra_len", lambda: 0)()
+    ids, cache, xc = start(model, prompts, max_new_tokens, sampling, extra, attn_impl)
     batch = len(ids)
     key = jax.random.PRNGKey(seed)
     key, k0 = jax.random.split(key)
-    collector = TokenCollector(batch, max_new_tokens, eos_ids(model), on_tokens)
-    capture = spec.method in sel.VERIFY_GUIDED
+    eos = eos_ids(model)
+    collector = TokenCollector(batch, max_new_tokens, eos, on_tokens)
 
     t0 = time.perf_counter()
-    logits, cache, scores = prefill_prompts(model.params, cfg, ids, cache, impl, capture)
+    logits, cache, scores = prefill_prompts(model.params, cfg, xc, ids, cache,
+                                            prefill_capture(spec))
     x0, _ = sample(k0, logits, sampling)
-    state = init_state(spec, cache, x0, key, scores, cache.lengths + 0)  # own buffer: state is donated
-    active = collector.add([[t] for t in np.asarray(x0)])
+    progress = Progress.start(x0, max_new_tokens, eos)
+    state = init_state(spec, cache, x0, key, scores, cache.lengths + 0,  # own buffer: donated
+                       progress)
+    collector.add([[t] for t in jax.device_get(x0)])
     prefill_s = time.perf_counter() - t0
 
-    accepted_at = np.zeros(gamma, np.int64)  # rounds in which draft position i was accepted
-    rounds_active = 0
-    emitted_total = 0
+    tally = {"accepted_at": np.zeros(gamma, np.int64), "rounds": 0, "emitted": 0}
+
+    def count(out):
+        _, _, n_acc, was_active = out
+        if auto is not None:
+            auto.read(n_acc, was_active)
+        if n_acc is None:  # plain decoding steps
+            return
+        n_acc = n_acc[was_active]
+        tally["rounds"] += len(n_acc)
+        tally["emitted"] += int((n_acc + 1).sum())
+        tally["accepted_at"] += (n_acc[:, None] > np.arange(gamma)[None, :]).sum(0)
+
+    def round_at(gamma):
+        sg = dataclasses.replace(spec, gamma=gamma)
+        return lambda st: spec_round(model.params, cfg, xc, st, sg, sampling)
+
+    def step(st):
+        if auto is None:
+            st, *out = spec_round(model.params, cfg, xc, st, spec, sampling)
+            return st, tuple(out)
+        return auto.run(auto.choose(), st)
+
+    if auto is not None:
+        def make(config):  # compiled off the main thread; called with the dynamic args
+            shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state)
+            if config == 0:  # plain decoding on the same cache; the selection goes stale
+                ds = DecodeState(shapes.cache, shapes.x0, shapes.key, shapes.progress)
+                run = decode_steps.lower(model.params, cfg, xc, ds, sampling,
+                                         AutoController.VANILLA_STEPS).compile()
+
+                def vanilla(st):
+                    ds, toks, done = run(model.params, DecodeState(st.cache, st.x0, st.key,
+                                                                   st.progress))
+                    return (SpecState(ds.cache, ds.tok, ds.key, st.sel, ds.progress),
+                            (toks, done, None, None))
+                return vanilla
+            sg = dataclasses.replace(spec, gamma=config)
+            run = spec_round.lower(model.params, cfg, xc, shapes, sg, sampling).compile()
+
+            def rnd(st):
+                st, *out = run(model.params, st)
+                return st, tuple(out)
+            return rnd
+
+        first = round_at(spec.gamma)
+        auto.prepare(make, lambda st: (lambda st2, *out: (st2, tuple(out)))(*first(st)))
+
     clock = DecodeClock(collector)
-    while active.any():
-        was_active = active.copy()
-        state, emitted, n_acc = spec_round(model.params, cfg, state, jnp.asarray(active), spec,
-                                           sampling, impl)
-        emitted = np.asarray(emitted)
-        n_acc = np.asarray(n_acc)
-        active = collector.add([row[row >= 0] for row in emitted])
-        clock.tick()
-        rounds_active += int(was_active.sum())
-        emitted_total += int((n_acc[was_active] + 1).sum())
-        accepted_at += (n_acc[was_active][:, None] > np.arange(gamma)[None, :]).sum(0)
+    if not collector.done.all():
+        drive(step, state, collector, clock, on_out=count)
+    rounds = max(tally["rounds"], 1)
     stats = {
-        "method": spec.method,
-        "gamma": gamma,
+        "method": spec.name,
+        "gamma": gamma if auto is None else None,
         "sparsity": spec.sparsity,
         "batch": batch,
         "prompt_tokens": [len(p) for p in ids],
         "prefill_s": prefill_s,
         **clock.stats(),
         "rounds": clock.calls,
-        "tau": emitted_total / max(rounds_active, 1),
-        "acceptance_by_position": (accepted_at / max(rounds_active, 1)).tolist(),
-        "attn_impl": impl,
+        "tau": tally["emitted"] / rounds,
+        "acceptance_by_position": (tally["accepted_at"] / rounds).tolist(),
+        "attn_impl": xc.attn,
         "cache_len": cache.max_len,
     }
+    if auto is not None:
+        stats["auto"] = auto.stats()
     return GenerationResult(collector.tokens, decode_text(model, collector.tokens), stats)

@@ -156,8 +156,9 @@ def run(args, model=None) -> dict:
     from tqdm import tqdm
 
     from vegas_jax.bench import _workload
+    from vegas_jax.execution import exec_from_args
     from vegas_jax.sampling import SamplingParams
-    from vegas_jax.selection import SpecConfig
+    from vegas_jax.speculative import SpecConfig
     from vegas_jax.speculative import speculative_generate
 
     sparsities = parse_sparsities(args.sparsities)
@@ -178,7 +179,8 @@ def run(args, model=None) -> dict:
         if dtype == "auto":
             dtype = "bf16" if jax.default_backend() == "gpu" else "fp32"
         model = load_model(args.model, checkpoint=args.checkpoint,
-                           dtype=jnp.bfloat16 if dtype == "bf16" else jnp.float32)
+                           dtype=jnp.bfloat16 if dtype == "bf16" else jnp.float32,
+                           exec_config=exec_from_args(args))
     prompts = _workload(model, args)
     bar = tqdm(desc="tune", unit="pt", file=sys.stderr)
 

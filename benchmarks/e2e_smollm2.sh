@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# End-to-end SmolLM2-135M (real weights) on the GPU machine, every method side by side.
+# The GGUF travels in two halves (.gpu_a/smolpart00, .gpu_b/smolpart01: `split -n 2 -d`,
+# two `run` calls back to back), the prompts as token ids (.gpu_a/prompts.json: the GPU
+# image's transformers cannot read the GGUF's tokenizer), the gguf wheel in .gpu_a/whl.
+#   bash benchmarks/e2e_smollm2.sh [batch ...]      (default: 64 128 1)
+set -u
+export PYTHONPATH=.:/tmp/site PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=2
+OUT=${OUT:-/tmp/e2e}
+python3 -c "import gguf" 2>/dev/null || python3 -m pip install -q --no-index --no-deps \
+  --target /tmp/site .gpu_a/whl/*.whl || exit 1
+if [ ! -f /tmp/smol.gguf ]; then cat .gpu_a/smolpart00 .gpu_b/smolpart01 > /tmp/smol.gguf; fi
+echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  /tmp/smol.gguf" \
+  | sha256sum -c || exit 1
+B="python3 -m vegas_jax.bench --checkpoint /tmp/smol.gguf --prompts-json .gpu_a/prompts.json
+   --context 7680 --new-tokens 256 --save $OUT --profile-methods vegas --profile-reps 3"
+S="--temperature 0.6 --top-p 0.95 --top-k 20"
+for b in ${*:-64 128 1}; do
+  if [ "$b" = 1 ]; then
+    $B --batch 1 --methods vanilla,vegas,auto --gammas 6 --profile-reps 0
+    continue
+  fi
+  $B --batch "$b" --methods vanilla,stream,quest,last,vegas,auto --gammas 6,8
+  $B --batch "$b" $S --methods vanilla,stream,last,vegas,auto --gammas 6,8
+done 2>&1 | grep -v -i "warn\|donat"

@@ -1,0 +1,160 @@
+"""Where a decode step and a speculative round spend device time, kernel by kernel (GPU).
+
+    PYTHONPATH=. python -m benchmarks.kernel_profile --model smollm2-135m --batch 64 --context 7680
+
+Random weights of the model's full shapes and a synthetic cache (`vegas_jax.bench`), a
+`jax.profiler` trace of a few calls of each phase (vanilla decode step, the draft phase,
+the verify with capture, the whole round), and device kernel times summed by kernel name
+and by kind (matmul, attention, copy, scatter, other) from the trace's GPU stream lines.
+`--hlo DIR` also writes the optimised HLO of each phase, to map fusion names back to ops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import os
+import re
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.profiler import ProfileData
+
+KINDS = (
+    ("attention", re.compile(r"vegas_|attention")),
+    ("matmul", re.compile(r"nvjet|gemm|cutlass|sm90_xmma|cublas|triton_gemm|dot")),
+    ("copy", re.compile(r"memcpy|copy")),
+    ("scatter", re.compile(r"scatter|dynamic_update_slice")),
+)
+
+
+def kind_of(name: str) -> str:
+    for kind, pat in KINDS:
+        if pat.search(name):
+            return kind
+    return "other"
+
+
+def kernel_times(fn, n: int = 2) -> dict[str, list]:
+    """{kernel name: [launches per call, microseconds per call of fn]} over n traced calls."""
+    trace_dir = tempfile.mkdtemp()
+    jax.block_until_ready(fn())
+    with jax.profiler.trace(trace_dir):
+        for _ in range(n):
+            jax.block_until_ready(fn())
+    path = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)[0]
+    agg: dict[str, list] = collections.defaultdict(lambda: [0.0, 0.0])
+    for plane in ProfileData.from_file(path).planes:
+        if "GPU" not in plane.name:
+            continue
+        for line in plane.lines:
+            if "Stream" not in line.name:
+                continue
+            for ev in line.events:
+                agg[ev.name][0] += 1 / n
+                agg[ev.name][1] += ev.duration_ns / 1e3 / n
+    return dict(agg)
+
+
+def wall_ms(fn, reps: int = 5) -> float:
+    jax.block_until_ready(fn())
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(fn())
+        ts.append(time.perf_counter() - t)
+    return float(np.median(ts)) * 1e3
+
+
+def report(agg: dict[str, list], label: str, per: int = 1, top: int = 20, wall=None) -> dict:
+    total = sum(v[1] for v in agg.values()) / per
+    launches = sum(v[0] for v in agg.values()) / per
+    kinds: dict[str, list] = collections.defaultdict(lambda: [0.0, 0.0])
+    for name, (count, us) in agg.items():
+        kinds[kind_of(name)][0] += count / per
+        kinds[kind_of(name)][1] += us / per
+    extra = f", wall {wall:.3f} ms" if wall is not None else ""
+    print(f"{label}: {total:.1f} us of kernels in {launches:.0f} launches{extra}")
+    print(f"{label} by kind: " + ", ".join(
+        f"{k} {us:.1f} us / {c:.0f}" for k, (c, us) in sorted(kinds.items(), key=lambda kv: -kv[1][1])))
+    for name, (count, us) in sorted(agg.items(), key=lambda kv: -kv[1][1])[:top]:
+        print(f"{label} {us / per:9.1f} us  x{count / per:7.1f}  {name[:100]}")
+    return {"kernel_us": total, "launches": launches, "wall_ms": wall,
+            "kinds": {k: {"launches": c, "us": us} for k, (c, us) in kinds.items()}}
+
+
+def build_parser():
+    from vegas_jax.execution import add_exec_args
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="qwen3-8b", help="registered model name")
+    p.add_argument("--batch", type=int, default=1, help="sequences")
+    p.add_argument("--context", type=int, default=32768, help="cached tokens per sequence")
+    p.add_argument("--method", default="vegas", help="speculative method of the round")
+    p.add_argument("--gamma", type=int, default=6, help="draft tokens per round")
+    p.add_argument("--sparsity", type=float, default=0.07, help="draft budget fraction")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    add_exec_args(p)
+    p.add_argument("--phases", default="decode,draft,verify,round",
+                   help="comma-separated subset of decode,draft,verify,verify0,round")
+    p.add_argument("--top", type=int, default=25, help="kernels listed per phase")
+    p.add_argument("--label", default="", help="prefix of every printed line")
+    p.add_argument("--hlo", default=None, metavar="DIR", help="write the optimised HLO here")
+    p.add_argument("--json", default=None, metavar="FILE", help="write the summaries here")
+    return p
+
+
+def main(argv=None) -> int:
+    from vegas_jax.bench import Phases, profile_cache
+    from vegas_jax.execution import exec_from_args
+    from vegas_jax.loading import load_model
+    from vegas_jax.sampling import SamplingParams
+    from vegas_jax.speculative import SpecConfig
+
+    args = build_parser().parse_args(argv)
+    phases = args.phases.split(",")
+    model = load_model(args.model, random_init=True, exec_config=exec_from_args(args))
+    xc = model.exec_config
+    cache = profile_cache(model.config, args.batch, args.context, args.gamma, jnp.bfloat16)
+    sp = SamplingParams(args.temperature, args.top_k, args.top_p)
+    spec = SpecConfig(method=args.method, gamma=args.gamma, sparsity=args.sparsity)
+    ph = Phases(model, cache, spec, sp, xc)
+    out = {"args": vars(args), "device": jax.devices()[0].device_kind, "exec": str(xc)}
+    tag = f"{args.label} " if args.label else ""
+    print(f"{tag}{xc}")
+
+    runs = {
+        "decode": (ph.vanilla, 8, "decode step"),
+        "draft": (ph.draft, args.gamma, "draft step"),
+        "verify": (lambda: ph.verify(True), 1, "verify+capture"),
+        "verify0": (lambda: ph.verify(False), 1, "verify, no capture"),
+        "round": (ph.round, 1, "round"),
+    }
+    for name in phases:
+        fn, per, label = runs[name]
+        t = time.perf_counter()
+        jax.block_until_ready(fn())  # compiles
+        print(f"{tag}{label}: first call (compile) {time.perf_counter() - t:.1f} s")
+        out[name] = report(kernel_times(fn), tag + label, per=per, top=args.top,
+                           wall=wall_ms(fn) / per)
+    if args.hlo:
+        os.makedirs(args.hlo, exist_ok=True)
+        for name, text in ph.hlo_texts(phases).items():
+            with open(f"{args.hlo}/{name}.hlo.txt", "w") as f:
+                f.write(text)
+    if args.json:
+        import json
+
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,43 @@
+"""Helpers shared by the Pallas (Triton backend) kernels: padding sizes, block specs,
+the split-K combine, and the mask constant."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltr
+
+dot = getattr(pltr, "dot", None) or pl.dot  # moved to pallas.triton in newer jax
+# A finite "minus infinity" for masked logits: exp(NEG - m) is 0 without inf - inf = NaN.
+NEG = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def pow2_at_least(n: int, lo: int = 16) -> int:
+    """Triton tiles need power-of-two sizes (and >= 16 rows for a dot)."""
+    p = lo
+    while p < n:
+        p *= 2
+    return p
+
+
+def whole(shape):
+    """The whole array as one block: on the GPU just a pointer (no copy of a cache slab);
+    the kernel indexes it itself."""
+    return pl.BlockSpec(tuple(shape), lambda *_: (0,) * len(shape))
+
+
+def combine_splits(o, m, l, *, base2: bool = False):
+    """Merge flash-decoding partial results along axis 2.
+
+    o [b, k, J, R, d] unnormalised outputs, m [b, k, J, R] running maxima, l [b, k, J, R]
+    running sums (in log2 units when base2). Returns (out [b, k, R, d] fp32, lse [b, k, R]
+    in the same units)."""
+    # The barrier stops XLA from fusing the max into every consumer (recomputed per use).
+    mx = lax.optimization_barrier(m.max(axis=2))  # [b, k, R]
+    w = jnp.exp2(m - mx[:, :, None]) if base2 else jnp.exp(m - mx[:, :, None])
+    lsum = (l * w).sum(axis=2)
+    lsafe = jnp.where(lsum == 0.0, 1.0, lsum)
+    out = (o * w[..., None]).sum(axis=2) / lsafe[..., None]
+    lse = mx + (jnp.log2(lsafe) if base2 else jnp.log(lsafe))
+    return out, lse

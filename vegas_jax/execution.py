@@ -1,0 +1,105 @@
+"""How a model runs, as opposed to what it computes: one static execution config.
+
+Built once from CLI / API arguments, held with the model, and passed as a static argument
+to every jitted function (like jax-llm-examples' decode-kernel flag). Nothing in model code
+reads the environment: every switch lives here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+
+ATTN = ("auto", "pallas", "xla")
+GEMM = ("auto", "triton", "cublas")
+LAYERS = ("auto", "scan", "unrolled")
+
+# GPU defaults, from kernel profiles on the H200 (BENCHMARKS.md, "The round, kernel by
+# kernel"): decode-shaped matmuls read Qwen3-8B's weights at ~1.1 TB/s through XLA's Triton
+# GEMM and at 2.4-4.3 TB/s through cuBLAS. In a layer scan XLA copied every layer's weight
+# slices before its matmuls (SmolLM2 B = 64: 6 copies a layer, a fifth of a draft step);
+# cuBLAS with dynamic-slice fusion reads the slices in place, as fast as per-layer buffers
+# (round 16.3 vs 16.4 ms) with a 1.3 s compile instead of 23 s.
+
+
+@dataclasses.dataclass(frozen=True)
+class ExecConfig:
+    """attn: attention backend ("pallas" kernels or the "xla" reference path).
+    gemm: XLA's GEMM emitter on the GPU ("triton" or "cublas"); no effect on the CPU.
+    layers: "scan" walks stacked layer weights with `lax.scan` (compile time flat in depth);
+      "unrolled" runs a Python loop over per-layer weight buffers (no per-layer slice
+      copies on the GPU, longer compiles). The params' layout must match (`layout_params`).
+    "auto" resolves by backend: on the GPU cuBLAS and a scan (whose weight slices cuBLAS
+    reads in place through XLA's dynamic-slice fusion); elsewhere the XLA path and a scan."""
+
+    attn: str = "auto"
+    gemm: str = "auto"
+    layers: str = "auto"
+
+    def __post_init__(self):
+        for name, allowed in (("attn", ATTN), ("gemm", GEMM), ("layers", LAYERS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+
+    def resolve(self, backend: str | None = None) -> "ExecConfig":
+        """Concrete choices on `backend` (default: JAX's)."""
+        gpu = (backend or jax.default_backend()) == "gpu"
+        return ExecConfig(
+            attn=self.attn if self.attn != "auto" else ("pallas" if gpu else "xla"),
+            gemm=self.gemm if self.gemm != "auto" else ("cublas" if gpu else "triton"),
+            layers=self.layers if self.layers != "auto" else "scan",
+        )
+
+    @property
+    def resolved(self) -> bool:
+        return "auto" not in (self.attn, self.gemm, self.layers)
+
+    def compiler_options(self) -> dict:
+        if self.gemm != "cublas":
+            return {}
+        return {"xla_gpu_enable_triton_gemm": False, "xla_gpu_enable_dynamic_slice_fusion": True}
+
+
+jax.tree_util.register_static(ExecConfig)
+
+
+def model_jit(fun=None, **kwargs):
+    """`jax.jit` for functions that take an `ExecConfig` among their arguments: compiled
+    with that config's compiler options (one jitted variant per option set)."""
+    if fun is None:
+        return functools.partial(model_jit, **kwargs)
+
+    @functools.cache
+    def variant(opts: tuple):
+        return jax.jit(fun, compiler_options=dict(opts), **kwargs)
+
+    def pick(args, kw):
+        xc = next((a for a in (*args, *kw.values()) if isinstance(a, ExecConfig)), None)
+        if xc is None:
+            raise TypeError(f"{fun.__name__} needs an ExecConfig argument")
+        return variant(tuple(sorted(xc.compiler_options().items())))
+
+    @functools.wraps(fun)
+    def call(*args, **kw):
+        return pick(args, kw)(*args, **kw)
+
+    call.lower = lambda *args, **kw: pick(args, kw).lower(*args, **kw)
+    return call
+
+
+def add_exec_args(p) -> None:
+    """The execution flags every command shares (argparse)."""
+    p.add_argument("--attn-impl", default=None, choices=ATTN[1:],
+                   help="attention backend; unset: pallas on GPU, xla on CPU")
+    p.add_argument("--gemm", default="auto", choices=GEMM,
+                   help="XLA's GEMM emitter on the GPU (auto: cuBLAS, reading a scan's "
+                   "weight slices in place); no effect on the CPU")
+    p.add_argument("--layers", default="auto", choices=LAYERS,
+                   help="layer loop: scan over stacked weights (auto; compiles fast) or "
+                   "unrolled over per-layer weight buffers (compiles ~20x slower)")
+
+
+def exec_from_args(args) -> ExecConfig:
+    return ExecConfig(attn=args.attn_impl or "auto", gemm=args.gemm, layers=args.layers)

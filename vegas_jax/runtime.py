@@ -1,0 +1,391 @@
+"""What every decoding loop shares: prompt preparation, input checks, the memory estimate,
+prefill, the on-device stop rule, the pipelined host loop and the result type."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+from jax import lax
+
+from vegas_jax.attention import CAUSAL, AttnPlan, Capture
+from vegas_jax.cache import KVCache, cache_bytes, init_cache
+from vegas_jax.config import ModelConfig
+from vegas_jax.execution import ExecConfig, model_jit
+from vegas_jax.model import forward, param_bytes, param_dtype
+from vegas_jax.sampling import SamplingParams
+
+PROMPT_BUCKET = 64  # prompts are padded to a multiple of this: fewer compilations
+LEN_BUCKET = 128  # cache lengths are rounded up to this
+PREFILL_TOKENS = 64 * 1024  # query tokens per prefill step across the batch (activations)
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    tokens: list[list[int]]  # new tokens per prompt (EOS included when it ended the text)
+    text: list[str] | None  # decoded new tokens, when the model has a tokenizer
+    stats: dict[str, Any]
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def encode_prompts(model, prompts) -> list[list[int]]:
+    """Strings or lists of token ids -> lists of token ids, checked."""
+    if isinstance(prompts, (str, bytes)) or (
+        isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], (int, np.integer))
+    ):
+        raise TypeError("prompts must be a list of prompts (strings or lists of token ids)")
+    prompts = list(prompts)
+    if not prompts:
+        raise ValueError("empty batch: pass at least one prompt")
+    out = []
+    vocab = model.config.vocab_size
+    for i, p in enumerate(prompts):
+        if isinstance(p, str):
+            if model.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass prompts as token ids")
+            ids = list(model.tokenizer.encode(p))
+        else:
+            ids = [int(t) for t in p]
+        if not ids:
+            raise ValueError(f"prompt {i} is empty")
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt {i} has token ids outside [0, {vocab}): {bad[:5]}")
+        out.append(ids)
+    return out
+
+
+def plan_cache_len(cfg: ModelConfig, prompt_lens, max_new_tokens: int, extra: int) -> int:
+    """Static cache length for this batch; refuses prompts that do not fit the context."""
+    if int(max_new_tokens) != max_new_tokens or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a whole number >= 1, got {max_new_tokens}")
+    longest = max(prompt_lens)
+    need = longest + max_new_tokens
+    if need > cfg.max_position_embeddings:
+        raise ValueError(
+            f"prompt of {longest} tokens + {max_new_tokens} new tokens = {need} exceeds "
+            f"{cfg.name}'s context of {cfg.max_position_embeddings} tokens"
+        )
+    # Decoding writes a few entries past the last kept token (speculative drafts, finished
+    # sequences idling): keep room for them so no write is ever dropped.
+    return _round_up(max(_round_up(longest, PROMPT_BUCKET), need) + extra, LEN_BUCKET)
+
+
+def available_bytes() -> int | None:
+    dev = jax.devices()[0]
+    stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
+    if stats and "bytes_limit" in stats:
+        return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    except (ValueError, OSError):
+        return None
+
+
+def check_memory(model, batch: int, max_len: int, prompt_len: int):
+    """Refuse up front, with numbers, when the KV cache and activations cannot fit."""
+    cfg = model.config
+    kv = cache_bytes(cfg, batch, max_len, param_dtype(model.params))
+    # Largest transients: prefill activations and the chunked attention logits.
+    q_len = prefill_chunk(batch, _round_up(prompt_len, PROMPT_BUCKET))
+    act = batch * q_len * (cfg.hidden_size * 4 + cfg.intermediate_size * 3) * 4
+    att = batch * cfg.num_heads * min(q_len, 512) * max_len * 4 * 3
+    logits = batch * cfg.vocab_size * 4 * 4
+    need = kv + act + att + logits
+    free = available_bytes()
+    if free is not None and need > 0.9 * free:
+        gib = 1 << 30
+        raise MemoryError(
+            f"not enough memory: KV cache {kv / gib:.2f} GiB (batch {batch} x {max_len} "
+            f"positions) + activations ~{(need - kv) / gib:.2f} GiB > 90% of the "
+            f"{free / gib:.2f} GiB free (weights {param_bytes(model.params) / gib:.2f} GiB "
+            f"already loaded). Use a smaller batch, shorter prompts or fewer new tokens."
+        )
+    return need
+
+
+def pad_prompts(prompts: list[list[int]]):
+    lens = np.array([len(p) for p in prompts], np.int32)
+    width = _round_up(int(lens.max()), PROMPT_BUCKET)
+    toks = np.zeros((len(prompts), width), np.int32)
+    for i, p in enumerate(prompts):
+        toks[i, : len(p)] = p
+    return jnp.asarray(toks), jnp.asarray(lens)
+
+
+def prefill_chunk(batch: int, width: int) -> int:
+    """Query tokens per sequence per prefill step: the whole prompt unless the batch holds
+    more than PREFILL_TOKENS of them, then equal slices (multiples of PROMPT_BUCKET), so the
+    activations stay bounded however large the batch."""
+    if batch * width <= PREFILL_TOKENS:
+        return width
+    n = -(-batch * width // PREFILL_TOKENS)
+    return max(PROMPT_BUCKET, _round_up(-(-width // n), PROMPT_BUCKET))
+
+
+
+@model_jit(static_argnames=("cfg", "xc", "capture", "chunk"), donate_argnames=("cache",))
+def prefill(params, cfg: ModelConfig, xc: ExecConfig, tokens, lens, cache: KVCache,
+            capture: Capture | None, chunk: int | None = None):
+    """Full causal attention over the (right-padded) prompts, `chunk` query tokens at a
+    time (a scan; each slice attends to the cache the earlier ones wrote).
+
+    Returns (logits of each prompt's last token [b, v], cache with lengths = lens, scores):
+    with `capture` (a one-row capture), the last prompt token is run once more as a
+    one-row verify whose attention yields the first selection's scores [L, b, s]
+    (DESIGN §1.5).
+    Padding writes K/V past each prompt's end; those slots are overwritten before any
+    query can see them (every query sees only positions <= its own).
+    """
+    b, t = tokens.shape
+    chunk = min(chunk or t, t)
+    n = -(-t // chunk)
+    tokens = jnp.pad(tokens, ((0, 0), (0, n * chunk - t)))
+
+    def step(carry, c):
+        cache, last = carry
+        toks = lax.dynamic_slice_in_dim(tokens, c * chunk, chunk, axis=1)  # [b, chunk]
+        pos = c * chunk + jnp.broadcast_to(jnp.arange(chunk, dtype=jnp.int32), (b, chunk))
+        at = jnp.clip(lens - 1 - c * chunk, 0, chunk - 1)
+        logits, cache, _ = forward(params, cfg, xc, toks, pos, cache, CAUSAL, logits_at=at)
+        mine = (lens - 1) // chunk == c  # this slice holds the prompt's last token
+        return (cache, jnp.where(mine[:, None], logits[:, 0], last)), None
+
+    init = (cache, jnp.zeros((b, cfg.vocab_size), jnp.float32))
+    if n == 1:
+        (cache, logits), _ = step(init, jnp.int32(0))
+    else:
+        (cache, logits), _ = lax.scan(step, init, jnp.arange(n, dtype=jnp.int32))
+    scores = None
+    if capture is not None:
+        last = jnp.take_along_axis(tokens, (lens - 1)[:, None], axis=1)
+        _, cache, scores = forward(params, cfg, xc, last, (lens - 1)[:, None], cache,
+                                   AttnPlan(capture=capture))
+    return logits, cache.replace(lengths=lens), scores
+
+
+
+class TokenCollector:
+    """Host-side bookkeeping: appends emitted tokens, stops each sequence at EOS or at
+    `max_new_tokens`, and streams what it accepted."""
+
+    def __init__(self, batch, max_new_tokens, eos_ids, on_tokens=None):
+        self.tokens = [[] for _ in range(batch)]
+        self.done = np.zeros(batch, bool)
+        self.max_new = max_new_tokens
+        self.eos = set(int(e) for e in eos_ids)
+        self.on_tokens = on_tokens
+
+    def add(self, rows) -> np.ndarray:
+        """rows: per sequence, the tokens emitted this step (sequence of ints)."""
+        new = []
+        for i, row in enumerate(rows):
+            got = []
+            for t in row:
+                if self.done[i]:
+                    break
+                t = int(t)
+                got.append(t)
+                self.tokens[i].append(t)
+                if t in self.eos or len(self.tokens[i]) >= self.max_new:
+                    self.done[i] = True
+            new.append(got)
+        if self.on_tokens is not None:
+            self.on_tokens(new)
+        return ~self.done
+
+    @property
+    def n_generated(self) -> int:
+        return sum(len(t) for t in self.tokens)
+
+
+class DecodeClock:
+    """Decode timing. The first device call compiles, so throughput is measured over the
+    calls after it (all calls when there is only one). `wait_s` is the host's time blocked
+    on the device, `host_s` its own bookkeeping per call; a call whose output was ready
+    before the host asked (wait under 50 us) may have left the device idle."""
+
+    READY_S = 50e-6
+
+    def __init__(self, collector: TokenCollector):
+        self.collector = collector
+        self.start_tokens = collector.n_generated
+        self.t0 = time.perf_counter()
+        self.calls = 0
+        self.first = None  # (time, tokens) at the end of the first call
+        self.wait_s = self.host_s = 0.0
+        self.ready_calls = 0
+
+    def tick(self, wait_s: float = 0.0, host_s: float = 0.0):
+        self.calls += 1
+        if self.calls == 1:
+            self.first = (time.perf_counter(), self.collector.n_generated)
+            return
+        self.wait_s += wait_s
+        self.host_s += host_s
+        self.ready_calls += wait_s < self.READY_S
+
+    def stats(self) -> dict:
+        end = time.perf_counter()
+        total = self.collector.n_generated - self.start_tokens
+        t_first, n_first = self.first if self.first else (end, self.collector.n_generated)
+        if self.calls > 1:
+            s, n = end - t_first, self.collector.n_generated - n_first
+        else:
+            s, n = end - self.t0, total
+        later = max(self.calls - 1, 1)
+        return {
+            "decode_s": end - self.t0,
+            "decode_tokens": total,
+            "first_call_s": t_first - self.t0,
+            "decode_tokens_per_s": n / s if s > 0 else float("nan"),
+            "device_calls": self.calls,
+            "ms_per_call": s / max(self.calls - 1, 1) * 1e3 if self.calls > 1 else float("nan"),
+            "host_ms_per_call": self.host_s / later * 1e3,
+            "wait_ms_per_call": self.wait_s / later * 1e3,
+            "host_bound_calls": self.ready_calls / later,
+        }
+
+
+def eos_ids(model) -> tuple[int, ...]:
+    ids = set(model.config.eos_token_ids)
+    tok = model.tokenizer
+    if tok is not None and getattr(tok, "eos_token_id", None) is not None:
+        ids.add(int(tok.eos_token_id))
+    return tuple(sorted(ids))
+
+
+def decode_text(model, tokens):
+    if model.tokenizer is None:
+        return None
+    return [model.tokenizer.decode(t, skip_special_tokens=True) for t in tokens]
+
+
+def exec_config(model, attn_impl: str | None = None) -> ExecConfig:
+    """The model's execution config, resolved, with the attention backend overridden by
+    `attn_impl` when given. The layer loop follows the params' layout (set at load time by
+    `layout_params`), so the two can never disagree."""
+    xc = getattr(model, "exec_config", None) or ExecConfig()
+    layers = "unrolled" if isinstance(model.params.layers, tuple) else "scan"
+    return dataclasses.replace(xc, layers=layers, attn=attn_impl or xc.attn).resolve()
+
+
+def start(model, prompts, max_new_tokens, sampling, extra_len, attn_impl):
+    """Checks shared by every decoding loop; returns (prompt token ids, an empty cache of
+    the planned length, the execution config)."""
+    if not isinstance(sampling, SamplingParams):
+        raise TypeError("sampling must be a SamplingParams")
+    ids = encode_prompts(model, prompts)
+    lens = [len(p) for p in ids]
+    max_len = plan_cache_len(model.config, lens, max_new_tokens, extra_len)
+    check_memory(model, len(ids), max_len, max(lens))
+    xc = exec_config(model, attn_impl)
+    cache = init_cache(model.config, len(ids), max_len, param_dtype(model.params))
+    return ids, cache, xc
+
+
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def _put_rows(cache: KVCache, sub: KVCache, rows):
+    return cache.replace(k=cache.k.at[:, rows].set(sub.k), v=cache.v.at[:, rows].set(sub.v))
+
+
+def prefill_prompts(params, cfg, xc: ExecConfig, ids: list[list[int]], cache: KVCache,
+                    capture: Capture | None):
+    """Prefill a ragged batch. Prompts are grouped by padded length so that a short prompt
+    does not pay for the longest one's padding; one group uses the cache in place.
+
+    Returns (last-token logits [b, v], cache with lengths set, scores [L, b, s] or None).
+    """
+    groups: dict[int, list[int]] = {}
+    for i, p in enumerate(ids):
+        groups.setdefault(_round_up(len(p), PROMPT_BUCKET), []).append(i)
+    lens = jnp.asarray([len(p) for p in ids], jnp.int32)
+    if len(groups) == 1:
+        tokens, _ = pad_prompts(ids)
+        chunk = prefill_chunk(*tokens.shape)
+        return prefill(params, cfg, xc, tokens, lens, cache, capture, chunk)
+    logits = [None] * len(ids)
+    scores = [None] * len(ids)
+    for rows in groups.values():
+        tokens, sub_lens = pad_prompts([ids[r] for r in rows])
+        r = jnp.asarray(rows)
+        sub = KVCache(k=cache.k[:, r], v=cache.v[:, r], lengths=sub_lens)
+        lg, sub, sc = prefill(params, cfg, xc, tokens, sub_lens, sub, capture,
+                              prefill_chunk(*tokens.shape))
+        cache = _put_rows(cache, sub, r)
+        for j, row in enumerate(rows):
+            logits[row] = lg[j]
+            if capture is not None:
+                scores[row] = sc[:, j]
+    cache = cache.replace(lengths=lens)
+    return (jnp.stack(logits), cache,
+            jnp.stack(scores, axis=1) if capture is not None else None)
+
+
+
+
+@struct.dataclass
+class Progress:
+    """Per-sequence stopping state kept on the device, so the host never has to answer
+    "go on?" before the next call is dispatched."""
+
+    n_gen: jax.Array  # [b] int32: tokens emitted so far
+    limit: jax.Array  # [b] int32: max_new_tokens
+    done: jax.Array  # [b] bool: hit EOS or the limit
+    eos: tuple = struct.field(pytree_node=False, default=())
+
+    @classmethod
+    def start(cls, first, max_new_tokens: int, eos: tuple) -> "Progress":
+        """After the prefill sampled `first` [b]."""
+        b = first.shape[0]
+        p = cls(n_gen=jnp.zeros((b,), jnp.int32),
+                limit=jnp.full((b,), max_new_tokens, jnp.int32),
+                done=jnp.zeros((b,), bool), eos=tuple(eos))
+        _, p = p.emit(first[:, None])
+        return p
+
+    def emit(self, tokens):
+        """tokens [b, T] (-1 = nothing) -> (the tokens kept, -1 elsewhere; new progress).
+        A sequence keeps tokens up to its limit and up to and including its first EOS."""
+        valid = (tokens >= 0) & ~self.done[:, None]
+        is_eos = jnp.isin(tokens, jnp.asarray(self.eos or (-2,), jnp.int32)) & valid
+        room = (self.limit - self.n_gen)[:, None]
+        before = jnp.cumsum(is_eos, axis=1) - is_eos == 0  # no EOS earlier in the row
+        keep = valid & before & (jnp.cumsum(valid, axis=1) <= room)
+        n_gen = self.n_gen + keep.sum(axis=1, dtype=jnp.int32)
+        done = self.done | (n_gen >= self.limit) | jnp.any(is_eos & keep, axis=1)
+        return jnp.where(keep, tokens, -1), self.replace(n_gen=n_gen, done=done)
+
+
+def drive(step: Callable, state, collector: TokenCollector, clock: DecodeClock, on_out=None):
+    """Run `step(state) -> (state, out)` until the collector has every sequence done.
+
+    One call stays in flight: call k + 1 is dispatched before call k's output is read, so
+    the device never waits for the host's bookkeeping (JAX dispatches asynchronously). The
+    device keeps its own stop state (`Progress`): finished sequences emit nothing, and the
+    call in flight when everything ends runs on after this returns, its output unread
+    (stop detection lags by one call). `out` starts with the emitted tokens [b, T] (-1 = none) and the
+    device's done flags [b]; `on_out` sees each output (host arrays) for statistics."""
+    state, out = step(state)
+    while True:
+        state, nxt = step(state)  # queued behind `out`'s call
+        t0 = time.perf_counter()
+        out = jax.device_get(out)  # waits for the earlier call only
+        t1 = time.perf_counter()
+        active = collector.add([row[row >= 0] for row in out[0]])
+        if on_out is not None:
+            on_out(out)
+        clock.tick(wait_s=t1 - t0, host_s=time.perf_counter() - t1)
+        if not active.any() or out[1].all():
+            return state
+        out = nxt
