@@ -20,6 +20,6 @@ for b in ${*:-64 128 1}; do
     $B --batch 1 --methods vanilla,vegas,auto --gammas 6 --profile-reps 0
     continue
   fi
-  $B --batch "$b" --methods vanilla,stream,quest,last,vegas,auto --gammas 6,8
+  $B --batch "$b" --methods vanilla,stream,last,vegas,auto --gammas 6,8
   $B --batch "$b" $S --methods vanilla,stream,last,vegas,auto --gammas 6,8
 done 2>&1 | grep -v -i "warn\|donat"

@@ -124,3 +124,22 @@ def test_unrolled_layers_equal_scan():
     b = speculative_generate(unrolled, prompts, 24, spec)
     assert a.tokens == b.tokens
     assert generate(unrolled, prompts, 24).tokens == a.tokens
+
+
+def test_prefill_capture_leaves_the_cache_as_plain_prefill():
+    """The first selection's capture pass reads the cache without writing: verify-guided
+    methods start from exactly the cache vanilla decoding starts from."""
+    m = tiny_model(scale=0.3)
+    rng = np.random.default_rng(5)
+    ids = [rng.integers(0, 100, size=n).tolist() for n in (70, 100)]
+    toks, lens = gen.pad_prompts(ids)
+
+    def run(capture):
+        cache = gen.init_cache(m.config, 2, 256, jnp.float32)
+        return gen.prefill(m.params, m.config, XLA, toks, lens, cache, capture, None)
+
+    (l0, c0, s0), (l1, c1, s1) = run(None), run(Capture((0,)))
+    assert s0 is None and s1.shape == (m.config.num_layers, 2, 256)
+    np.testing.assert_array_equal(np.asarray(c1.k), np.asarray(c0.k))
+    np.testing.assert_array_equal(np.asarray(c1.v), np.asarray(c0.v))
+    np.testing.assert_array_equal(np.asarray(l1), np.asarray(l0))

@@ -251,6 +251,7 @@ def test_auto_equals_vanilla_and_reports_its_choices(tiny, prompts, vanilla):
     assert res.tokens == vanilla.tokens
     auto = res.stats["auto"]
     assert auto["calls"]["gamma 3"] >= 1 and auto["choice"] is not None
+    assert set(auto["tokens_per_s_per_seq"]) <= {"vanilla", "gamma 1", "gamma 3", "gamma 5"}
 
 
 def test_auto_cost_model():
@@ -258,9 +259,10 @@ def test_auto_cost_model():
     the choice of the configuration with the most tokens per second."""
     from vegas_jax.speculative import AutoController
 
-    ctl = AutoController(SpecConfig(method="auto", gamma=4))
-    ctl.queue, ctl.explore = [], []
-    ctl.runners = dict.fromkeys([0, *ctl.gammas])  # every configuration compiled
+    from vegas_jax.selection import Auto
+
+    ctl = AutoController(SpecConfig(method=Auto(gammas=(2, 4, 6, 8)), gamma=4))
+    ctl.queue = []
     for a in (4, 4, 2, 3):  # accepted counts of 4 sequence-rounds at gamma 4
         ctl.trials[1:5] += [1, 1, 1, a >= 3]
         ctl.hits[1:5] += [a >= 1, a >= 2, a >= 3, a >= 4]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import sys
 import time
@@ -389,6 +390,7 @@ def run(args, model=None) -> list[dict]:
                                               else [args.gamma])]
     ref_tokens = None
     for m, g in tqdm(runs, desc="methods", file=sys.stderr, disable=args.json):
+        gc.collect()  # the previous run's cache and state (some in reference cycles) go now
         spec = SpecConfig(method=m if m != "vanilla" else "vegas", gamma=g,
                           sparsity=args.sparsity, min_tokens=args.min_tokens, score=args.score)
         row = {"method": m, "gamma": g if m != "vanilla" else 0}

@@ -45,11 +45,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-p", type=float, default=0.0,
                    help="drop tokens below min-p times the top probability (0: off)")
     p.add_argument("--seed", type=int, default=0, help="random seed for sampling")
-    p.add_argument("--method", default=d.name, choices=list(METHODS),
-                   help="vegas (verification-guided, Collect-2-Query), vegas-all (all verify "
-                   "rows), last (last accepted token, SpecExtend-style), stream (sink + "
-                   "window), quest (page min/max), vanilla (no speculation)")
-    p.add_argument("--gamma", type=int, default=d.gamma, help="draft tokens per round")
+    p.add_argument("--method", default="auto", choices=list(METHODS),
+                   help="auto (vegas with gamma, or plain decoding, chosen while generating "
+                   "from measured step times and acceptance), vegas (verification-guided, "
+                   "Collect-2-Query), vegas-all (all verify rows), last (last accepted token, "
+                   "SpecExtend-style), stream (sink + window), quest (page min/max), vanilla "
+                   "(no speculation)")
+    p.add_argument("--gamma", type=int, default=d.gamma,
+                   help="draft tokens per round (auto: where it starts; it tries gamma +- 2)")
     p.add_argument("--sparsity", type=float, default=d.sparsity,
                    help="fraction of the KV cache each draft step reads, in (0, 1]")
     p.add_argument("--min-tokens", type=int, default=d.min_tokens,
@@ -165,6 +168,11 @@ def run(args) -> int:
         log(f"[vegas_jax] method={spec.name} gamma={spec.gamma} sparsity={spec.sparsity} "
             f"tau={st['tau']:.2f} tokens/round over {st['rounds']} rounds; acceptance by "
             f"draft position: [{acc}]")
+    if "auto" in st:
+        a = st["auto"]
+        calls = ", ".join(f"{k} x{n}" for k, n in a["calls"].items())
+        log(f"[vegas_jax] auto: device calls {calls}; best now {a['choice']} (candidates "
+            f"compiled in {a['compile_s']:.1f}s)")
     return 0
 
 

@@ -86,7 +86,7 @@ def apply_rope(x, cos, sin):
     return (xf * cos[:, :, None, :] + rot * sin[:, :, None, :]).astype(x.dtype)
 
 
-def _layer(cfg: ModelConfig, xc: ExecConfig, plan: AttnPlan, cos, sin, positions):
+def _layer(cfg: ModelConfig, xc: ExecConfig, plan: AttnPlan, cos, sin, positions, write: bool):
     k_heads, g, d = cfg.num_kv_heads, cfg.group_size, cfg.head_dim
 
     def step(carry, lp: LayerParams, li):
@@ -103,7 +103,8 @@ def _layer(cfg: ModelConfig, xc: ExecConfig, plan: AttnPlan, cos, sin, positions
             k = rms_norm(k, lp.k_norm, cfg.rms_norm_eps)
         q = apply_rope(q, cos, sin).reshape(b, t, k_heads, g, d)  # [b, t, k, g, d]
         k = apply_rope(k, cos, sin)  # [b, t, k, d]
-        k_cache, v_cache = write_kv(k_cache, v_cache, li, k, v, positions)
+        if write:
+            k_cache, v_cache = write_kv(k_cache, v_cache, li, k, v, positions)
         o, scores = attention(plan, xc, q, k_cache, v_cache, li, positions)
         x = x + jnp.einsum("btn,nh->bth", o.reshape(b, t, -1).astype(x.dtype), lp.wo)
         h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
@@ -124,20 +125,23 @@ def forward(
     cache: KVCache,
     plan: AttnPlan,
     logits_at=None,
+    write: bool = True,
 ):
     """Run the model on `tokens` [b, t] at `positions` [b, t].
 
     Writes the new tokens' K/V into `cache` at their positions, then attends as `plan`
     says. `logits_at` [b] picks one position per sequence for the LM head (prefill);
     None returns logits for every position. The cache's `lengths` are not changed here:
-    the caller knows how many of the written entries to keep.
+    the caller knows how many of the written entries to keep. `write=False` leaves the
+    cache as it is, for tokens whose K/V it already holds (a capture-only pass: rewriting
+    them from a differently shaped computation would change them by rounding).
 
     Returns (logits fp32 [b, t or 1, v], cache, scores) where scores stacks the layers'
     captured attention scores [L, ...] when `plan` asks for a capture (else None).
     """
     x = params.embed[tokens]  # [b, t, h]
     cos, sin = rope_tables(cfg, positions)
-    step = _layer(cfg, xc, plan, cos, sin, positions)
+    step = _layer(cfg, xc, plan, cos, sin, positions, write)
     carry = (x, cache.k, cache.v)
     if isinstance(params.layers, tuple):
         # Per-layer weight buffers and static layer indices: nothing is sliced per layer

@@ -92,14 +92,16 @@ def available_bytes() -> int | None:
         return None
 
 
-def check_memory(model, batch: int, max_len: int, prompt_len: int):
+def check_memory(model, batch: int, max_len: int, prompt_len: int, attn: str = "xla"):
     """Refuse up front, with numbers, when the KV cache and activations cannot fit."""
     cfg = model.config
     kv = cache_bytes(cfg, batch, max_len, param_dtype(model.params))
     # Largest transients: prefill activations and the chunked attention logits.
     q_len = prefill_chunk(batch, _round_up(prompt_len, PROMPT_BUCKET))
     act = batch * q_len * (cfg.hidden_size * 4 + cfg.intermediate_size * 3) * 4
-    att = batch * cfg.num_heads * min(q_len, 512) * max_len * 4 * 3
+    # The XLA attention path materialises [b, heads, 512 queries, s] logits per chunk; the
+    # Pallas kernels keep them on chip.
+    att = batch * cfg.num_heads * min(q_len, 512) * max_len * 4 * 3 if attn == "xla" else 0
     logits = batch * cfg.vocab_size * 4 * 4
     need = kv + act + att + logits
     free = available_bytes()
@@ -141,9 +143,9 @@ def prefill(params, cfg: ModelConfig, xc: ExecConfig, tokens, lens, cache: KVCac
     time (a scan; each slice attends to the cache the earlier ones wrote).
 
     Returns (logits of each prompt's last token [b, v], cache with lengths = lens, scores):
-    with `capture` (a one-row capture), the last prompt token is run once more as a
-    one-row verify whose attention yields the first selection's scores [L, b, s]
-    (DESIGN §1.5).
+    with `capture` (a one-row capture), the last prompt token's query is run once more
+    against the cache, without writing, and its attention yields the first selection's
+    scores [L, b, s] (DESIGN §1.5); the cache is exactly what plain prefill leaves.
     Padding writes K/V past each prompt's end; those slots are overwritten before any
     query can see them (every query sees only positions <= its own).
     """
@@ -170,7 +172,7 @@ def prefill(params, cfg: ModelConfig, xc: ExecConfig, tokens, lens, cache: KVCac
     if capture is not None:
         last = jnp.take_along_axis(tokens, (lens - 1)[:, None], axis=1)
         _, cache, scores = forward(params, cfg, xc, last, (lens - 1)[:, None], cache,
-                                   AttnPlan(capture=capture))
+                                   AttnPlan(capture=capture), write=False)
     return logits, cache.replace(lengths=lens), scores
 
 
@@ -288,8 +290,8 @@ def start(model, prompts, max_new_tokens, sampling, extra_len, attn_impl):
     ids = encode_prompts(model, prompts)
     lens = [len(p) for p in ids]
     max_len = plan_cache_len(model.config, lens, max_new_tokens, extra_len)
-    check_memory(model, len(ids), max_len, max(lens))
     xc = exec_config(model, attn_impl)
+    check_memory(model, len(ids), max_len, max(lens), xc.attn)
     cache = init_cache(model.config, len(ids), max_len, param_dtype(model.params))
     return ids, cache, xc
 

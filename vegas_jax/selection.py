@@ -270,16 +270,18 @@ class Quest(Method):
 class Auto(Method):
     """Choose gamma, or plain decoding, while generating: a cost model of the measured time
     of each configuration's device calls and the acceptance seen so far (`speculative.
-    AutoController`). Drafts read what `base` selects; the sparsity stays as configured."""
+    AutoController`). Drafts read what `base` selects; the sparsity stays as configured.
+    gammas: the candidates (each compiled before decoding); () = the configured gamma and
+    gamma +- 2."""
 
     base: Method = VerifyGuided("pair")
-    gammas: tuple[int, ...] = (2, 4, 6, 8, 10, 12)
+    gammas: tuple[int, ...] = ()
     name: ClassVar[str] = "auto"
 
     def __post_init__(self):
         if not self.base.speculative or isinstance(self.base, Auto):
             raise ValueError("auto needs a speculative base method")
-        if not self.gammas or min(self.gammas) < 1:
+        if self.gammas and min(self.gammas) < 1:
             raise ValueError(f"gammas must be whole numbers >= 1, got {self.gammas}")
 
     def capture(self, spec):

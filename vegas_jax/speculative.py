@@ -157,29 +157,25 @@ class AutoController:
 
     Cost model, updated online: the device time of a call of each configuration (the
     interval between reading consecutive outputs, which the one call in flight makes the
-    device's time), a line t(gamma) = a + b * gamma through the round times seen, and
-    tau(gamma) = 1 + sum_i prod_{j <= i} a_j from the conditional acceptance a_j of draft
-    position j seen so far (positions not yet drafted take the last one seen). Each call
-    goes to the configuration with the most tokens per second (tau / t for rounds,
-    VANILLA_STEPS / t for plain steps). It first measures the configured gamma, then plain
-    decoding and a second gamma (WINDOW calls each) as soon as they are compiled: the other
-    configurations compile on a background thread (`prepare`), so choosing never stalls
-    the device on a compile."""
+    device's time; a configuration's first call is not timed), a line t(gamma) = a + b *
+    gamma through the round times seen (proportional to gamma + 1 while one gamma is seen),
+    and tau(gamma) = 1 + sum_i prod_{j <= i} a_j from the conditional acceptance a_j of
+    draft position j seen so far (positions not yet drafted take the last one seen). Each
+    call goes to the configuration with the most tokens per second (tau / t for rounds,
+    VANILLA_STEPS / t for plain steps); a configuration not measured yet runs WINDOW calls
+    once chosen. It starts with the configured gamma, then plain decoding. Every candidate
+    is compiled before decoding starts (`prepare`), so a switch never stalls the device."""
 
-    WINDOW = 4
+    WINDOW = 3
     VANILLA_STEPS = 8
 
     def __init__(self, spec: SpecConfig):
         self.spec = spec
-        gammas = sorted(set(spec.method.gammas) | {spec.gamma})
-        self.gammas = gammas
         g0 = spec.gamma
-        g1 = next((g for g in gammas if g >= g0 + 4), None) or next(
-            (g for g in reversed(gammas) if g != g0), g0)
-        self.explore = [0, g1]  # after g0; each once compiled
-        self.queue = [g0] * self.WINDOW
+        self.gammas = sorted(set(spec.method.gammas or (max(g0 - 2, 1), g0, g0 + 2)) | {g0})
+        self.queue = [g0] * self.WINDOW + [0] * self.WINDOW
         self.times: dict[int, list[float]] = collections.defaultdict(list)
-        top = max(gammas)
+        top = max(self.gammas)
         self.trials = np.zeros(top + 1)
         self.hits = np.zeros(top + 1)
         self.in_flight: collections.deque = collections.deque()
@@ -187,34 +183,24 @@ class AutoController:
         self.calls = collections.Counter()
         self.calls_read = collections.Counter()
         self.runners: dict[int, Callable] = {}
-        self.futures: dict = {}
+        self.compile_s = 0.0
 
-    def prepare(self, make: Callable[[int], Callable], first: Callable):
-        """`first` runs the configured gamma (compiled on its first call); `make(config)`
-        compiles another configuration and returns its runner (on a worker thread)."""
-        from concurrent.futures import ThreadPoolExecutor
-
-        self.runners[self.spec.gamma] = first
-        pool = ThreadPoolExecutor(1, thread_name_prefix="vegas-auto-compile")
-        order = self.explore + [g for g in self.gammas if g not in self.explore]
-        for c in order:
-            if c != self.spec.gamma:
-                self.futures[c] = pool.submit(make, c)
-        pool.shutdown(wait=False)
-
-    def ready(self, config: int) -> bool:
-        if config not in self.runners and config in self.futures and self.futures[config].done():
-            self.runners[config] = self.futures[config].result()
-        return config in self.runners
+    def prepare(self, make: Callable[[int], Callable]):
+        """Compile every candidate (`make(config)` returns its runner) before decoding."""
+        t = time.perf_counter()
+        for c in [0, *self.gammas]:
+            self.runners[c] = make(c)
+        self.compile_s = time.perf_counter() - t
 
     def choose(self) -> int:
         """The next call's configuration: a gamma, or 0 for plain decoding."""
-        if not self.queue and self.explore and self.ready(self.explore[0]):
-            self.queue = [self.explore.pop(0)] * self.WINDOW
         if self.queue:
             return self.queue.pop(0)
-        rates = {c: r for c, r in self.rates().items() if self.ready(c)}
-        return max(rates, key=rates.get) if rates else self.spec.gamma
+        rates = self.rates()
+        best = max(rates, key=rates.get) if rates else self.spec.gamma
+        if not self.times.get(best):  # chosen on an estimate: measure it
+            self.queue = [best] * (self.WINDOW - 1)
+        return best
 
     def run(self, config: int, state):
         self.in_flight.append(config)
@@ -226,7 +212,7 @@ class AutoController:
         config = self.in_flight.popleft()
         now = time.perf_counter()
         if self.last_read is not None and self.calls_read[config]:
-            self.times[config].append(now - self.last_read)  # a config's first call: not timed
+            self.times[config].append(now - self.last_read)
         self.calls_read[config] += 1
         self.last_read = now
         if config and n_acc is not None:
@@ -238,7 +224,7 @@ class AutoController:
     def tau(self, gamma: int) -> float:
         seen = self.trials > 0
         if not seen.any():
-            return 1.0
+            return float(gamma + 1)  # nothing seen yet: every draft accepted
         alpha = np.where(seen, self.hits / np.maximum(self.trials, 1), 0.0)
         last = alpha[np.nonzero(seen)[0].max()]
         alpha = np.where(seen, alpha, last)
@@ -248,15 +234,13 @@ class AutoController:
         pts = [(g, float(np.median(t[-8:]))) for g, t in self.times.items() if g and t]
         if not pts:
             return None
-        if len(pts) == 1:  # one gamma seen: time proportional to drafts + verify
-            g, t = pts[0]
-            return t * (gamma + 1) / (g + 1)
-        gs, ts = np.array(pts).T
-        b, a = np.polyfit(gs, ts, 1)
-        if b <= 0 or a < 0:  # noise: fall back to the cheapest gamma's time per draft + 1
-            g, t = min(pts, key=lambda p: p[1] / (p[0] + 1))
-            return t * (gamma + 1) / (g + 1)
-        return a + b * gamma
+        if len(pts) > 1:
+            gs, ts = np.array(pts).T
+            b, a = np.polyfit(gs, ts, 1)
+            if b > 0 and a >= 0:
+                return a + b * gamma
+        g, t = min(pts, key=lambda p: p[1] / (p[0] + 1))  # one gamma seen, or noise
+        return t * (gamma + 1) / (g + 1)
 
     def rates(self) -> dict[int, float]:
         out = {}
@@ -275,6 +259,7 @@ class AutoController:
             "calls": {name(c): n for c, n in sorted(self.calls.items())},
             "tokens_per_s_per_seq": {name(c): float(r) for c, r in sorted(rates.items())},
             "choice": name(max(rates, key=rates.get)) if rates else None,
+            "compile_s": self.compile_s,
         }
 
 
@@ -334,10 +319,6 @@ def speculative_generate(
         tally["emitted"] += int((n_acc + 1).sum())
         tally["accepted_at"] += (n_acc[:, None] > np.arange(gamma)[None, :]).sum(0)
 
-    def round_at(gamma):
-        sg = dataclasses.replace(spec, gamma=gamma)
-        return lambda st: spec_round(model.params, cfg, xc, st, sg, sampling)
-
     def step(st):
         if auto is None:
             st, *out = spec_round(model.params, cfg, xc, st, spec, sampling)
@@ -345,7 +326,7 @@ def speculative_generate(
         return auto.run(auto.choose(), st)
 
     if auto is not None:
-        def make(config):  # compiled off the main thread; called with the dynamic args
+        def make(config):  # compiled ahead; called with the dynamic arguments only
             shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state)
             if config == 0:  # plain decoding on the same cache; the selection goes stale
                 ds = DecodeState(shapes.cache, shapes.x0, shapes.key, shapes.progress)
@@ -366,8 +347,7 @@ def speculative_generate(
                 return st, tuple(out)
             return rnd
 
-        first = round_at(spec.gamma)
-        auto.prepare(make, lambda st: (lambda st2, *out: (st2, tuple(out)))(*first(st)))
+        auto.prepare(make)
 
     clock = DecodeClock(collector)
     if not collector.done.all():
