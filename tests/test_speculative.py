@@ -279,7 +279,24 @@ def test_auto_cost_model():
     assert rates[2] == pytest.approx(3 / 0.008)  # t(2) = 6 ms + 2 x 1 ms
     assert ctl.choose() == 0
     ctl.times[0] = [0.004 * 8] * 3  # a plain step 4 ms: 250 tokens/s, rounds win
+    ctl.calls[4] = 1  # not a re-probe call
     assert ctl.choose() == 4  # the most tokens per second: tau 4.25 in 10 ms
+    ctl.calls[4] = ctl.REPROBE  # every REPROBE calls the runner-up (gamma 6, 400/s) once
+    assert ctl.choose() == 6
+
+
+def test_auto_drops_rounds_that_cannot_win():
+    """Plain steps of 1 ms against a 10 ms round at gamma 4: even tau = 5 loses, so the
+    rounds still queued for exploration are dropped."""
+    from vegas_jax.selection import Auto
+    from vegas_jax.speculative import AutoController
+
+    ctl = AutoController(SpecConfig(method=Auto(gammas=(4,)), gamma=4))
+    assert ctl.queue == [0, 0, 0, 4, 4, 4]
+    ctl.queue = [4, 4]
+    ctl.times[0] = [0.008] * 2
+    ctl.times[4] = [0.010]
+    assert ctl.choose() == 0 and ctl.queue == []
 
 
 def test_progress_stops_at_eos_and_limit():

@@ -157,23 +157,29 @@ class AutoController:
 
     Cost model, updated online: the device time of a call of each configuration (the
     interval between reading consecutive outputs, which the one call in flight makes the
-    device's time; a configuration's first call is not timed), a line t(gamma) = a + b *
-    gamma through the round times seen (proportional to gamma + 1 while one gamma is seen),
-    and tau(gamma) = 1 + sum_i prod_{j <= i} a_j from the conditional acceptance a_j of
-    draft position j seen so far (positions not yet drafted take the last one seen). Each
-    call goes to the configuration with the most tokens per second (tau / t for rounds,
-    VANILLA_STEPS / t for plain steps); a configuration not measured yet runs WINDOW calls
-    once chosen. It starts with the configured gamma, then plain decoding. Every candidate
-    is compiled before decoding starts (`prepare`), so a switch never stalls the device."""
+    device's time), a line t(gamma) =
+    a + b * gamma through the round times seen (proportional to gamma + 1 while one gamma
+    is seen), and tau(gamma) = 1 + sum_i prod_{j <= i} a_j from the conditional acceptance
+    a_j of draft position j seen so far (positions not yet drafted take the last one seen).
+    Each call goes to the configuration with the most tokens per second (tau / t for
+    rounds, VANILLA_STEPS / t for plain steps). It starts with plain decoding, then the
+    configured gamma; it drops the rounds still queued for exploration as soon as a round
+    could not beat plain decoding even with every draft accepted (tau = gamma + 1, the
+    small model's case); every REPROBE calls it runs the runner-up once, when its estimate
+    is within REPROBE_MARGIN of the best, so an estimate from a few early calls does not
+    decide the whole run. Every candidate is compiled before decoding starts (`prepare`):
+    a switch never stalls the device."""
 
     WINDOW = 3
     VANILLA_STEPS = 8
+    REPROBE = 12
+    REPROBE_MARGIN = 0.15
 
     def __init__(self, spec: SpecConfig):
         self.spec = spec
         g0 = spec.gamma
         self.gammas = sorted(set(spec.method.gammas or (max(g0 - 2, 1), g0, g0 + 2)) | {g0})
-        self.queue = [g0] * self.WINDOW + [0] * self.WINDOW
+        self.queue = [0] * self.WINDOW + [g0] * self.WINDOW
         self.times: dict[int, list[float]] = collections.defaultdict(list)
         top = max(self.gammas)
         self.trials = np.zeros(top + 1)
@@ -181,7 +187,6 @@ class AutoController:
         self.in_flight: collections.deque = collections.deque()
         self.last_read = None
         self.calls = collections.Counter()
-        self.calls_read = collections.Counter()
         self.runners: dict[int, Callable] = {}
         self.compile_s = 0.0
 
@@ -194,12 +199,22 @@ class AutoController:
 
     def choose(self) -> int:
         """The next call's configuration: a gamma, or 0 for plain decoding."""
+        rates = self.rates()
+        if self.queue and self.queue[0] and 0 in rates:
+            t = self.round_time(self.queue[0])
+            if t is not None and (self.queue[0] + 1) / t < rates[0]:
+                self.queue = [c for c in self.queue if c == 0]  # rounds cannot win here
         if self.queue:
             return self.queue.pop(0)
-        rates = self.rates()
-        best = max(rates, key=rates.get) if rates else self.spec.gamma
+        if not rates:
+            return self.spec.gamma
+        ranked = sorted(rates, key=rates.get, reverse=True)
+        best = ranked[0]
         if not self.times.get(best):  # chosen on an estimate: measure it
             self.queue = [best] * (self.WINDOW - 1)
+        elif (len(ranked) > 1 and sum(self.calls.values()) % self.REPROBE == 0
+              and rates[ranked[1]] > (1 - self.REPROBE_MARGIN) * rates[best]):
+            return ranked[1]
         return best
 
     def run(self, config: int, state):
@@ -211,9 +226,8 @@ class AutoController:
         """Called as each call's output is read, in dispatch order."""
         config = self.in_flight.popleft()
         now = time.perf_counter()
-        if self.last_read is not None and self.calls_read[config]:
+        if self.last_read is not None:  # the very first call's interval has no start
             self.times[config].append(now - self.last_read)
-        self.calls_read[config] += 1
         self.last_read = now
         if config and n_acc is not None:
             acc = n_acc[active]
