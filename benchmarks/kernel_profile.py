@@ -21,7 +21,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.profiler import ProfileData
 
 KINDS = (
@@ -61,13 +60,9 @@ def kernel_times(fn, n: int = 2) -> dict[str, list]:
 
 
 def wall_ms(fn, reps: int = 5) -> float:
-    jax.block_until_ready(fn())
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(fn())
-        ts.append(time.perf_counter() - t)
-    return float(np.median(ts)) * 1e3
+    from vegas_jax.bench import _time
+
+    return _time(fn, reps) * 1e3
 
 
 def report(agg: dict[str, list], label: str, per: int = 1, top: int = 20, wall=None) -> dict:

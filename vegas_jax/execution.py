@@ -16,12 +16,11 @@ ATTN = ("auto", "pallas", "xla")
 GEMM = ("auto", "triton", "cublas")
 LAYERS = ("auto", "scan", "unrolled")
 
-# GPU defaults, from kernel profiles on the H200 (BENCHMARKS.md, "The round, kernel by
-# kernel"): decode-shaped matmuls read Qwen3-8B's weights at ~1.1 TB/s through XLA's Triton
-# GEMM and at 2.4-4.3 TB/s through cuBLAS. In a layer scan XLA copied every layer's weight
-# slices before its matmuls (SmolLM2 B = 64: 6 copies a layer, a fifth of a draft step);
-# cuBLAS with dynamic-slice fusion reads the slices in place, as fast as per-layer buffers
-# (round 16.3 vs 16.4 ms) with a 1.3 s compile instead of 23 s.
+# GPU defaults, from kernel profiles (BENCHMARKS.md, "What changed" and "Weight reads"):
+# decode-shaped matmuls read large weights several times faster through cuBLAS than
+# through XLA's Triton GEMM; in a layer scan XLA copies every layer's weight slices before
+# its matmuls, unless cuBLAS reads them in place through dynamic-slice fusion, which
+# measured as fast as per-layer weight buffers and compiles an order of magnitude faster.
 
 
 @dataclasses.dataclass(frozen=True)

@@ -40,19 +40,19 @@ def decode_steps(params, cfg: ModelConfig, xc: ExecConfig, state: DecodeState,
     own buffer (the state's is donated to the next call while the host still reads this).
     """
 
-    def step(st: DecodeState, k):
+    def step(st: DecodeState, rng):
         active = ~st.progress.done
         pos = st.cache.lengths
         logits, cache, _ = forward(params, cfg, xc, st.tok[:, None], pos[:, None], st.cache,
                                    CAUSAL)
-        nxt, _ = sample(k, logits[:, 0], sp)
+        nxt, _ = sample(rng, logits[:, 0], sp)
         nxt = jnp.where(active, nxt, st.tok)
         out, progress = st.progress.emit(jnp.where(active, nxt, -1)[:, None])
         cache = cache.replace(lengths=pos + active.astype(jnp.int32))
         return st.replace(cache=cache, tok=nxt, progress=progress), out[:, 0]
 
-    key, k = jax.random.split(state.key)
-    state, toks = lax.scan(step, state.replace(key=key), jax.random.split(k, n_steps))
+    key, rng = jax.random.split(state.key)
+    state, toks = lax.scan(step, state.replace(key=key), jax.random.split(rng, n_steps))
     return state, toks.T, jnp.copy(state.progress.done)
 
 

@@ -31,8 +31,8 @@ class LayerParams:
 
     Q/K/V and gate/up projections are stored side by side (`FUSED`): one matmul each,
     fewer launches, and no narrow K/V matmul, which XLA on the GPU lowered as an
-    elementwise multiply of the whole weight plus a reduction (Qwen3-8B, B=1: 1.26 ms
-    per step for 0.6 GB of K/V weights, ~10x their read time on the H200).
+    elementwise multiply of the whole weight plus a reduction at ~10x its read time
+    (BENCHMARKS.md, "Weight reads").
     """
 
     attn_norm: jax.Array  # [L, h]

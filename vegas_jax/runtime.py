@@ -145,7 +145,8 @@ def prefill(params, cfg: ModelConfig, xc: ExecConfig, tokens, lens, cache: KVCac
     Returns (logits of each prompt's last token [b, v], cache with lengths = lens, scores):
     with `capture` (a one-row capture), the last prompt token's query is run once more
     against the cache, without writing, and its attention yields the first selection's
-    scores [L, b, s] (DESIGN §1.5); the cache is exactly what plain prefill leaves.
+    scores [L, b, s] (the paper: the prefill ranks the prompt by its last token alone); the
+    cache is exactly what plain prefill leaves.
     Padding writes K/V past each prompt's end; those slots are overwritten before any
     query can see them (every query sees only positions <= its own).
     """

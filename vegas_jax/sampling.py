@@ -41,7 +41,7 @@ class SamplingParams:
 jax.tree_util.register_static(SamplingParams)
 
 # Top-p without top-k ranks this many logits first (a TopK kernel instead of a sort of
-# the vocabulary: on the CPU, [64, 49152] took 624 ms sorted).
+# the whole vocabulary, which is far slower).
 TOP_P_CANDIDATES = 1024
 TOPK_BLOCK = 128
 
@@ -53,8 +53,8 @@ def top_k(x, k: int, block: int = TOPK_BLOCK):
     `block` entries) with the largest maxima, since a block holding a winner has a maximum
     at least the k-th value and at most k blocks can (each maximum is itself an entry). One
     max-reduction over x, then two small top-k's (over the block maxima, over k * block
-    candidates). `lax.top_k` on a 49K vocabulary with k = 20 ran XLA's segmented radix
-    sort on the H200 (~64 us per call at [64, 49152])."""
+    candidates). `lax.top_k` on a 49K vocabulary with k = 20 runs XLA's segmented radix
+    sort on the GPU (BENCHMARKS.md, "What changed")."""
     *lead, v = x.shape
     if k * block * 2 >= v:
         return lax.top_k(x, k)
@@ -100,7 +100,7 @@ def process_logits(logits, sp: SamplingParams):
                 # The prefix almost always lies in the few largest logits: rank only
                 # those, and sort the vocabulary only when some row's candidates fall short.
                 # (The barrier keeps XLA's TopK kernel: sliced directly, XLA rewrote it into
-                # a full sort of the vocabulary, CPU 3.8 -> 475 ms at [64, 49152].)
+                # a full sort of the vocabulary.)
                 cand = lax.optimization_barrier(lax.top_k(x, TOP_P_CANDIDATES)[0])
                 probs = jnp.exp(cand - lse)
                 thresh = lax.cond(jnp.all(probs.sum(axis=-1) >= sp.top_p),

@@ -44,13 +44,13 @@ def max_budget(spec, max_len: int) -> int:
 
 
 def budget(spec, n, max_len: int):
-    """Tokens to select when the ranked range ends at position n (DESIGN §1.3).
+    """Tokens to select when the ranked range ends at position n.
 
-    k = clip(ceil(sparsity * (n + gamma + 1)), min_tokens, max_budget), at most n + 1.
+    budget = clip(ceil(sparsity * (n + gamma + 1)), min_tokens, max_budget), at most n + 1.
     """
-    k = jnp.clip(_ceil_frac(spec.sparsity, n + spec.gamma + 1), spec.min_tokens,
-                 max_budget(spec, max_len))
-    return jnp.minimum(k, n + 1)
+    tokens = jnp.clip(_ceil_frac(spec.sparsity, n + spec.gamma + 1), spec.min_tokens,
+                      max_budget(spec, max_len))
+    return jnp.minimum(tokens, n + 1)
 
 
 def select_topk(scores, r_end, spec, max_len: int):
@@ -245,10 +245,10 @@ class Quest(Method):
         n = cache.lengths
         ready = (n // self.page_size) * self.page_size
         max_pages = -(-max_budget(spec, cache.max_len) // self.page_size)
-        k = budget(spec, pos, cache.max_len)
+        tokens = budget(spec, pos, cache.max_len)
         return AttnPlan(mode="sparse", tail_len=self.tail_len(spec, cache.max_len),
                         picker=QuestPicker(self.page_size, max_pages), tail_start=ready,
-                        picker_inputs=(sel.page_min, sel.page_max, -(-k // self.page_size)))
+                        picker_inputs=(sel.page_min, sel.page_max, -(-tokens // self.page_size)))
 
     def update(self, spec, sel, scores, cache, n, n_acc):
         """Recompute the pages a round can complete, from n's page on: O(gamma) per round."""

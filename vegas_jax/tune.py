@@ -152,35 +152,23 @@ def run(args, model=None) -> dict:
     """Tune on the workload `args` describes; `model` overrides --model/--checkpoint."""
     import dataclasses
 
-    import jax.numpy as jnp
     from tqdm import tqdm
 
     from vegas_jax.bench import _workload
-    from vegas_jax.execution import exec_from_args
-    from vegas_jax.sampling import SamplingParams
-    from vegas_jax.speculative import SpecConfig
-    from vegas_jax.speculative import speculative_generate
+    from vegas_jax.cli import load_from_args, sampling_from_args
+    from vegas_jax.speculative import SpecConfig, speculative_generate
 
     sparsities = parse_sparsities(args.sparsities)
     gammas = parse_gammas(args.gammas)
     if args.batch < 1 or args.context < 1 or args.new_tokens < 1 or args.repeats < 1:
         raise ValueError("--batch, --context, --new-tokens and --repeats must be >= 1")
     base = SpecConfig(method=args.method, min_tokens=args.min_tokens, score=args.score)
-    sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p)
+    sampling = sampling_from_args(args)
     # Built (and so validated) before the model loads; `evaluate` is defined below.
     tuner = Tuner(lambda s, g: evaluate(s, g), sparsities, gammas, large_gamma=args.large_gamma,
                   threshold=args.threshold, refine=args.refine)
     if model is None:
-        import jax
-
-        from vegas_jax.loading import load_model
-
-        dtype = args.dtype
-        if dtype == "auto":
-            dtype = "bf16" if jax.default_backend() == "gpu" else "fp32"
-        model = load_model(args.model, checkpoint=args.checkpoint,
-                           dtype=jnp.bfloat16 if dtype == "bf16" else jnp.float32,
-                           exec_config=exec_from_args(args))
+        model = load_from_args(args)
     prompts = _workload(model, args)
     bar = tqdm(desc="tune", unit="pt", file=sys.stderr)
 

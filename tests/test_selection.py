@@ -1,0 +1,107 @@
+"""The selection against an independent computation: transformers' own attention weights.
+
+Vegas's draft reads, per layer, the top-`count` positions of the ranked range 0..n by the
+softmax weights of verify rows 0 and gamma averaged over all query heads. Here PyTorch's
+eager attention (`output_attentions=True`) on the same tiny checkpoint gives those
+weights; the index set our verify pass captured and `VerifyGuided.update` selected must be
+exactly their top-`count`, per layer and sequence (ragged lengths), through the XLA path
+and through the Pallas kernels in interpret mode. Wrong selections (one row only, the
+oldest positions) must fail the same comparison."""
+
+from __future__ import annotations
+
+import functools
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from vegas_jax import attention as attn_mod
+from vegas_jax.attention import Capture
+from vegas_jax.loading import load_model
+from vegas_jax.runtime import exec_config, prefill_prompts, start
+from vegas_jax.sampling import SamplingParams
+from vegas_jax.speculative import SpecConfig, verify_phase
+
+GAMMA = 3
+LENS = (150, 97)
+
+
+def _reference_scores(hf_model, ids, n, rows):
+    """[L, n + 1] mean over heads and `rows` of the softmax weights of the verify rows
+    (positions n + r) over keys 0..n, from transformers' eager attention."""
+    import torch
+
+    with torch.no_grad():
+        out = hf_model(torch.tensor([ids]), output_attentions=True)
+    att = np.stack([a[0].double().numpy() for a in out.attentions])  # [L, H, T, T]
+    return att[:, :, [n + r for r in rows], : n + 1].mean(axis=(1, 2))
+
+
+def _top(scores, count):
+    return set(np.argsort(-scores, kind="stable")[:count].tolist())
+
+
+def _same_top(got, scores, count, tol=1e-6):
+    """got is the top-`count` set of `scores`, up to entries tied with the cut within tol
+    (fp32 against PyTorch's fp32 can swap exact near-ties)."""
+    want = _top(scores, count)
+    cut = np.sort(scores)[::-1][count - 1]
+    return all(abs(scores[i] - cut) <= tol * max(abs(cut), 1e-30) for i in got ^ want)
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_vegas_selection_is_the_top_of_verify_rows_0_and_gamma(tiny_hf, impl, monkeypatch):
+    if impl == "pallas":  # the Pallas kernels on the CPU, in interpret mode
+        from pallas_kernels.sparse_attention import sparse_attention
+        from pallas_kernels.verify_attention import verify_attention
+
+        monkeypatch.setattr(attn_mod, "verify_attention",
+                            functools.partial(verify_attention, interpret=True))
+        monkeypatch.setattr(attn_mod, "sparse_attention",
+                            functools.partial(sparse_attention, interpret=True))
+    ckpt, hf_model = tiny_hf("llama-gqa")
+    model = load_model(checkpoint=ckpt, dtype=jnp.float32)
+    cfg = model.config
+    spec = SpecConfig(method="vegas", gamma=GAMMA, sparsity=0.1, min_tokens=4)
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for n in LENS]
+    tails = [rng.integers(3, cfg.vocab_size, GAMMA + 1).tolist() for _ in LENS]  # x0, drafts
+
+    ids, cache, xc = start(model, prompts, 8, SamplingParams(), 2 * GAMMA + 2, impl)
+    assert exec_config(model, impl).attn == impl
+    _, cache, _ = prefill_prompts(model.params, cfg, xc, ids, cache, None)
+    x0 = jnp.asarray([t[0] for t in tails], jnp.int32)
+    drafts = jnp.asarray([t[1:] for t in tails], jnp.int32)
+    _, vcache, scores = verify_phase(model.params, cfg, xc, cache, x0, drafts,
+                                     spec.method.capture(spec))
+    assert spec.method.capture(spec) == Capture((0, GAMMA), "mean", "weight")
+    n = cache.lengths
+    sel = spec.method.update(spec, None, scores, vcache, n, jnp.zeros_like(n))
+    idx, count = np.asarray(sel.idx), np.asarray(sel.count)
+
+    for b, (p, t) in enumerate(zip(prompts, tails)):
+        ref = _reference_scores(hf_model, p + t, len(p), (0, GAMMA))  # [L, n + 1]
+        for layer in range(cfg.num_layers):
+            c = int(count[layer, b])
+            assert c == int(np.ceil(0.1 * (len(p) + GAMMA + 1)))  # the budget, below n + 1
+            got = set(idx[layer, b, :c].tolist())
+            assert len(got) == c
+            assert _same_top(got, ref[layer], c), (b, layer, sorted(got ^ _top(ref[layer], c)))
+            # the comparison has teeth: the oldest positions would fail it
+            assert not _same_top(set(range(c)), ref[layer], c)
+        assert np.asarray(sel.end)[b] == len(p) + 1
+
+
+def test_wrong_capture_rows_are_caught(tiny_hf):
+    """Capturing row 0 alone (not rows 0 and gamma) selects a different set somewhere:
+    the test above would fail on that bug."""
+    ckpt, hf_model = tiny_hf("llama-gqa")
+    rng = np.random.default_rng(7)
+    p = rng.integers(3, 160, LENS[0]).tolist()
+    t = rng.integers(3, 160, GAMMA + 1).tolist()
+    both = _reference_scores(hf_model, p + t, len(p), (0, GAMMA))
+    one = _reference_scores(hf_model, p + t, len(p), (0,))
+    c = int(np.ceil(0.1 * (len(p) + GAMMA + 1)))
+    assert any(not _same_top(_top(one[layer], c), both[layer], c)
+               for layer in range(both.shape[0]))

@@ -1,0 +1,54 @@
+"""Command-line flags every command shares (decode, bench, tune), written once."""
+
+from __future__ import annotations
+
+DTYPES = ("auto", "bf16", "fp32")
+
+
+def add_model_args(p) -> None:
+    """--model, --checkpoint, --dtype and the execution flags."""
+    from vegas_jax.config import DEFAULT_MODEL, REGISTRY
+    from vegas_jax.execution import add_exec_args
+
+    p.add_argument("--model", default=None,
+                   help=f"registered model name (default {DEFAULT_MODEL}); one of: "
+                   + ", ".join(sorted(REGISTRY)))
+    p.add_argument("--checkpoint", default=None,
+                   help="Hugging Face directory (config.json + safetensors + tokenizer), an "
+                   "orbax directory made by `python -m convert`, or a .gguf file")
+    p.add_argument("--dtype", default="auto", choices=DTYPES,
+                   help="weights and KV cache dtype; auto = bf16 on GPU, fp32 on CPU")
+    add_exec_args(p)
+
+
+def add_sampling_args(p) -> None:
+    p.add_argument("--temperature", type=float, default=0.0, help="0 means greedy decoding")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: off)")
+    p.add_argument("--min-p", type=float, default=0.0,
+                   help="drop tokens below min-p times the top probability (0: off)")
+    p.add_argument("--seed", type=int, default=0, help="random seed for sampling")
+
+
+def sampling_from_args(args):
+    from vegas_jax.sampling import SamplingParams
+
+    return SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p)
+
+
+def dtype_from_arg(name: str):
+    """"auto" = bf16 on the GPU, fp32 elsewhere."""
+    import jax
+    import jax.numpy as jnp
+
+    if name == "auto":
+        name = "bf16" if jax.default_backend() == "gpu" else "fp32"
+    return jnp.bfloat16 if name == "bf16" else jnp.float32
+
+
+def load_from_args(args, random_init: bool = False):
+    from vegas_jax.execution import exec_from_args
+    from vegas_jax.loading import load_model
+
+    return load_model(args.model, checkpoint=args.checkpoint, random_init=random_init,
+                      dtype=dtype_from_arg(args.dtype), exec_config=exec_from_args(args))
