@@ -1,24 +1,23 @@
-"""Checkpoint conversion: Hugging Face safetensors, llama.cpp GGUF -> vegas_jax params;
-vegas_jax params <-> orbax checkpoint directories.
-
-Every reader returns host (numpy) arrays in a `vegas_jax.model.Params` tree;
-`vegas_jax.loading.load_model` moves them to the device. Nothing here imports torch.
+"""Checkpoint conversion: Hugging Face safetensors or llama.cpp GGUF -> an orbax
+checkpoint directory that `load_model` reads back bit for bit.
 
 CLI: `python -m convert --checkpoint HF_DIR_OR_GGUF --out DIR [--dtype bf16]`.
 
-Submodules are imported lazily: reading a GGUF needs neither orbax nor safetensors code.
+The readers and writers live in `vegas_jax.checkpoint` (loading a model needs them); this
+package depends on `vegas_jax`, never the reverse. Its names are re-exported here,
+imported on use.
 """
 
 _EXPORTS = {
-    "load_hf_checkpoint": "convert.hf",
-    "load_gguf": "convert.gguf",
-    "save_orbax_checkpoint": "convert.orbax_io",
-    "load_orbax_checkpoint": "convert.orbax_io",
-    "is_orbax_checkpoint": "convert.orbax_io",
-    "config_to_json": "convert.common",
-    "config_from_json": "convert.common",
-    "np_dtype": "convert.common",
-    "dtype_name": "convert.common",
+    "load_hf_checkpoint": "vegas_jax.checkpoint.hf",
+    "load_gguf": "vegas_jax.checkpoint.gguf",
+    "save_orbax_checkpoint": "vegas_jax.checkpoint.orbax_io",
+    "load_orbax_checkpoint": "vegas_jax.checkpoint.orbax_io",
+    "is_orbax_checkpoint": "vegas_jax.checkpoint.orbax_io",
+    "config_to_json": "vegas_jax.checkpoint.common",
+    "config_from_json": "vegas_jax.checkpoint.common",
+    "np_dtype": "vegas_jax.checkpoint.common",
+    "dtype_name": "vegas_jax.checkpoint.common",
 }
 
 

@@ -45,7 +45,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     log = (lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr, flush=True))
     try:
-        from convert.common import dtype_name
+        from vegas_jax.checkpoint.common import dtype_name
 
         dtype = dtype_name(args.dtype)
         src = Path(args.checkpoint).expanduser()
@@ -65,11 +65,11 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         log(f"reading {kind.upper()} checkpoint {src} as {dtype} ...")
         if kind == "gguf":
-            from convert.gguf import load_gguf
+            from vegas_jax.checkpoint.gguf import load_gguf
 
             cfg, params, tok = load_gguf(src, dtype, progress=not args.quiet)
         else:
-            from convert.hf import load_hf_checkpoint, load_hf_tokenizer
+            from vegas_jax.checkpoint.hf import load_hf_checkpoint, load_hf_tokenizer
 
             cfg, params = load_hf_checkpoint(src, dtype, progress=not args.quiet)
             tok = load_hf_tokenizer(src)
@@ -82,7 +82,7 @@ def main(argv=None) -> int:
             f" ({time.perf_counter() - t0:.1f} s)")
         log(f"writing orbax checkpoint to {out} ...")
         t1 = time.perf_counter()
-        from convert.orbax_io import save_orbax_checkpoint
+        from vegas_jax.checkpoint.orbax_io import save_orbax_checkpoint
 
         save_orbax_checkpoint(out, cfg, params, tok, overwrite=args.force)
         log(f"done in {time.perf_counter() - t1:.1f} s; load it with --checkpoint {out}")

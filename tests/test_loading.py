@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from convert.__main__ import main as convert_main
-from convert.common import params_shapes, params_to_dict
-from convert.orbax_io import load_orbax_checkpoint, save_orbax_checkpoint
+from vegas_jax.checkpoint.common import params_shapes, params_to_dict
+from vegas_jax.checkpoint.orbax_io import load_orbax_checkpoint, save_orbax_checkpoint
 from vegas_jax.config import REGISTRY
 from vegas_jax.loading import Model, load_model
 
@@ -100,7 +100,7 @@ def test_orbax_format_v1_separate_projections_still_loads(tmp_path):
 
     import orbax.checkpoint as ocp
 
-    from convert.common import params_to_dict, split_fused
+    from vegas_jax.checkpoint.common import params_to_dict, split_fused
     from vegas_jax.model import init_params
 
     cfg = dataclasses.replace(REGISTRY["qwen3-0.6b"], name="tiny", vocab_size=96, hidden_size=32,
@@ -188,7 +188,7 @@ def test_bf16_sharded_safetensors(tiny_hf, tmp_path):
 def test_safetensors_reader_matches_safetensors_package(tiny_hf):
     from safetensors.numpy import load_file
 
-    from convert.hf import SafetensorsFile
+    from vegas_jax.checkpoint.hf import SafetensorsFile
 
     src, _ = tiny_hf("qwen3-tied")
     f = next(src.glob("*.safetensors"))

@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from convert.hf import to_hf_config, to_hf_state_dict
+from vegas_jax.checkpoint.hf import to_hf_config, to_hf_state_dict
 from vegas_jax.loading import load_model
 
 

@@ -206,7 +206,7 @@ def hf_reference(model, prompts, new_tokens: int, sampling, prompt_lookup: bool 
     import torch
     import transformers
 
-    from convert.hf import to_hf_config, to_hf_state_dict
+    from vegas_jax.checkpoint.hf import to_hf_config, to_hf_state_dict
     from vegas_jax.model import param_dtype, stack_layers
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"

@@ -132,13 +132,13 @@ def checkpoint_kind(path: Path) -> str:
             f"(config.json + *.safetensors), a directory written by `python -m convert`, "
             f"or a .gguf file{hint}"
         )
-    from convert.orbax_io import is_orbax_checkpoint
+    from vegas_jax.checkpoint.orbax_io import is_orbax_checkpoint
 
     return "orbax" if is_orbax_checkpoint(path) else "hf"
 
 
 def _check_agrees(name: str, cfg: ModelConfig, path: Path) -> ModelConfig:
-    from convert.common import structure_diff
+    from vegas_jax.checkpoint.common import structure_diff
 
     diff = structure_diff(get_config(name), cfg)
     if diff:
@@ -178,7 +178,7 @@ def load_model(
 
 
 def _load(name, checkpoint, random_init, dtype, seed) -> Model:
-    from convert.common import dtype_name
+    from vegas_jax.checkpoint.common import dtype_name
 
     dt = jnp.dtype(dtype_name(dtype))
     if name is not None:
@@ -199,7 +199,7 @@ def _load(name, checkpoint, random_init, dtype, seed) -> Model:
     kind = checkpoint_kind(path)
 
     if kind == "gguf":
-        from convert import gguf
+        from vegas_jax.checkpoint import gguf
 
         reader = gguf.open_gguf(path)
         cfg = gguf.read_config(reader, path)
@@ -210,14 +210,14 @@ def _load(name, checkpoint, random_init, dtype, seed) -> Model:
             return Model(cfg, init_params(cfg, jax.random.key(seed), dt), tokenizer)
         return Model(cfg, _to_device(gguf.read_params(reader, cfg, dt, path=path)), tokenizer)
 
-    from convert.hf import load_hf_tokenizer
+    from vegas_jax.checkpoint.hf import load_hf_tokenizer
 
     if kind == "orbax":
-        from convert.orbax_io import load_orbax_checkpoint, read_orbax_config
+        from vegas_jax.checkpoint.orbax_io import load_orbax_checkpoint, read_orbax_config
 
         cfg = read_orbax_config(path)
     else:
-        from convert.hf import load_hf_checkpoint, read_config
+        from vegas_jax.checkpoint.hf import load_hf_checkpoint, read_config
 
         cfg = read_config(path)
     if name is not None:

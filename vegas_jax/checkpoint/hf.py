@@ -17,7 +17,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from convert.common import (
+from vegas_jax.checkpoint.common import (
     assemble, field_shapes, np_dtype, registry_match, split_fused, stack_layers,
 )
 from vegas_jax.config import ModelConfig, from_hf_config

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from convert.common import (
+from vegas_jax.checkpoint.common import (
     config_from_json, config_to_json, dtype_name, layer_shapes, np_dtype, params_from_dict,
     params_shapes, params_to_dict,
 )
@@ -135,6 +135,6 @@ def load_orbax_checkpoint(
 
 
 def load_orbax_tokenizer(path: str | Path):
-    from convert.hf import load_hf_tokenizer
+    from vegas_jax.checkpoint.hf import load_hf_tokenizer
 
     return load_hf_tokenizer(path)

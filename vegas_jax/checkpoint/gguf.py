@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from convert.common import assemble, np_dtype, registry_match, stack_layers
+from vegas_jax.checkpoint.common import assemble, np_dtype, registry_match, stack_layers
 from vegas_jax.config import ModelConfig, RopeScaling
 from vegas_jax.model import Params
 
