@@ -390,7 +390,8 @@ def run(args, model=None) -> list[dict]:
                        acceptance=st["acceptance_by_position"], rounds=st["rounds"],
                        prefill_s=st["prefill_s"], attn_impl=st["attn_impl"],
                        ms_per_call=st["ms_per_call"], host_ms_per_call=st["host_ms_per_call"],
-                       wait_ms_per_call=st["wait_ms_per_call"])
+                       wait_ms_per_call=st["wait_ms_per_call"],
+                       dispatch_ms_per_call=st["dispatch_ms_per_call"])
             if "auto" in st:
                 row["auto"] = st["auto"]
             if m == "vanilla":

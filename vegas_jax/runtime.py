@@ -214,9 +214,11 @@ class TokenCollector:
 
 class DecodeClock:
     """Decode timing. The first device call compiles, so throughput is measured over the
-    calls after it (all calls when there is only one). `wait_s` is the host's time blocked
-    on the device, `host_s` its own bookkeeping per call; a call whose output was ready
-    before the host asked (wait under 50 us) may have left the device idle."""
+    calls after it (all calls when there is only one). Per call: `dispatch_s` the host's
+    time handing the next call to the runtime, `wait_s` its time blocked on the previous
+    call's output, `host_s` its own
+    bookkeeping; a call whose output was ready before the host asked (wait under 50 us)
+    may have left the device idle."""
 
     READY_S = 50e-6
 
@@ -226,16 +228,17 @@ class DecodeClock:
         self.t0 = time.perf_counter()
         self.calls = 0
         self.first = None  # (time, tokens) at the end of the first call
-        self.wait_s = self.host_s = 0.0
+        self.wait_s = self.host_s = self.dispatch_s = 0.0
         self.ready_calls = 0
 
-    def tick(self, wait_s: float = 0.0, host_s: float = 0.0):
+    def tick(self, wait_s: float = 0.0, host_s: float = 0.0, dispatch_s: float = 0.0):
         self.calls += 1
         if self.calls == 1:
             self.first = (time.perf_counter(), self.collector.n_generated)
             return
         self.wait_s += wait_s
         self.host_s += host_s
+        self.dispatch_s += dispatch_s
         self.ready_calls += wait_s < self.READY_S
 
     def stats(self) -> dict:
@@ -256,6 +259,7 @@ class DecodeClock:
             "ms_per_call": s / max(self.calls - 1, 1) * 1e3 if self.calls > 1 else float("nan"),
             "host_ms_per_call": self.host_s / later * 1e3,
             "wait_ms_per_call": self.wait_s / later * 1e3,
+            "dispatch_ms_per_call": self.dispatch_s / later * 1e3,
             "host_bound_calls": self.ready_calls / later,
         }
 
@@ -335,8 +339,6 @@ def prefill_prompts(params, cfg, xc: ExecConfig, ids: list[list[int]], cache: KV
             jnp.stack(scores, axis=1) if capture is not None else None)
 
 
-
-
 @struct.dataclass
 class Progress:
     """Per-sequence stopping state kept on the device, so the host never has to answer
@@ -377,18 +379,19 @@ def drive(step: Callable, state, collector: TokenCollector, clock: DecodeClock, 
     the device never waits for the host's bookkeeping (JAX dispatches asynchronously). The
     device keeps its own stop state (`Progress`): finished sequences emit nothing, and the
     call in flight when everything ends runs on after this returns, its output unread
-    (stop detection lags by one call). `out` starts with the emitted tokens [b, T] (-1 = none) and the
-    device's done flags [b]; `on_out` sees each output (host arrays) for statistics."""
+    (stop detection lags by one call). `out` starts with the emitted tokens [b, T] (-1 =
+    none) and the device's done flags [b]; `on_out` sees each output (host arrays)."""
     state, out = step(state)
     while True:
-        state, nxt = step(state)  # queued behind `out`'s call
         t0 = time.perf_counter()
-        out = jax.device_get(out)  # waits for the earlier call only
+        state, nxt = step(state)  # queued behind `out`'s call
         t1 = time.perf_counter()
+        out = jax.device_get(out)  # waits for the earlier call only
+        t2 = time.perf_counter()
         active = collector.add([row[row >= 0] for row in out[0]])
         if on_out is not None:
             on_out(out)
-        clock.tick(wait_s=t1 - t0, host_s=time.perf_counter() - t1)
+        clock.tick(dispatch_s=t1 - t0, wait_s=t2 - t1, host_s=time.perf_counter() - t2)
         if not active.any() or out[1].all():
             return state
         out = nxt
