@@ -327,3 +327,29 @@ def test_drive_keeps_one_call_in_flight():
     drive(step, 0, col, DecodeClock(col))
     assert events[:4] == [("dispatch", 0), ("dispatch", 1), ("read", 0), ("dispatch", 2)]
     assert events[-1] == ("read", 2)
+
+
+@pytest.mark.parametrize("method", ["vegas", "stream"])
+def test_pallas_kernels_end_to_end_equal_the_xla_path(monkeypatch, method):
+    """speculative_generate through the Pallas kernels (interpret mode on the CPU: prefill,
+    verify with capture, sparse drafts) gives the XLA path's tokens, which are vanilla's."""
+    import functools
+
+    from pallas_kernels.sparse_attention import sparse_attention
+    from pallas_kernels.verify_attention import verify_attention
+    from vegas_jax import attention as attn_mod
+
+    monkeypatch.setattr(attn_mod, "verify_attention",
+                        functools.partial(verify_attention, interpret=True))
+    monkeypatch.setattr(attn_mod, "sparse_attention",
+                        functools.partial(sparse_attention, interpret=True))
+    m = tiny_model(scale=0.3)
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(0, 100, size=n).tolist() for n in (45, 130)]
+    spec = SpecConfig(method=method, gamma=3, min_tokens=8)
+    ref = generate(m, prompts, 16, attn_impl="xla")
+    xla = speculative_generate(m, prompts, 16, spec, attn_impl="xla")
+    pallas = speculative_generate(m, prompts, 16, spec, attn_impl="pallas")
+    assert pallas.stats["attn_impl"] == "pallas"
+    assert xla.tokens == ref.tokens
+    assert pallas.tokens == ref.tokens
