@@ -319,7 +319,7 @@ def speculative_generate(
     collector.add([[t] for t in jax.device_get(x0)])
     prefill_s = time.perf_counter() - t0
 
-    tally = {"accepted_at": np.zeros(gamma, np.int64), "rounds": 0, "emitted": 0}
+    tally = {"accepted_at": np.zeros(gamma, np.int64), "rounds": 0, "emitted": 0, "calls": 0}
 
     def count(out):
         _, _, n_acc, was_active = out
@@ -327,6 +327,7 @@ def speculative_generate(
             auto.read(n_acc, was_active)
         if n_acc is None:  # plain decoding steps
             return
+        tally["calls"] += 1
         n_acc = n_acc[was_active]
         tally["rounds"] += len(n_acc)
         tally["emitted"] += int((n_acc + 1).sum())
@@ -374,7 +375,7 @@ def speculative_generate(
         "prompt_tokens": [len(p) for p in ids],
         "prefill_s": prefill_s,
         **clock.stats(),
-        "rounds": clock.calls,
+        "rounds": tally["calls"],  # speculative rounds (auto also makes plain-step calls)
         "tau": tally["emitted"] / rounds,
         "acceptance_by_position": (tally["accepted_at"] / rounds).tolist(),
         "attn_impl": xc.attn,
