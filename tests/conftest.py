@@ -7,6 +7,11 @@ import os
 # Tests never reach the network: a bare registered name must fail fast, not try the hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# The commands' persistent compilation cache: one per test session, shared by the CLI runs
+# the tests start (never the user's ~/.cache).
+import tempfile  # noqa: E402
+
+os.environ.setdefault("VEGAS_JAX_COMPILE_CACHE", tempfile.mkdtemp(prefix="vegas-xla-"))
 
 import pytest  # noqa: E402
 

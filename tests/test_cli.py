@@ -23,7 +23,7 @@ def test_help_explains_every_flag():
     for flag in ("--model", "--checkpoint", "--prompt", "--prompt-file", "--max-new-tokens",
                  "--temperature", "--top-k", "--top-p", "--min-p", "--seed", "--method",
                  "--gamma", "--sparsity", "--min-tokens", "--score", "--dtype", "--attn-impl",
-                 "--json", "--raw"):
+                 "--gemm", "--layers", "--compile-cache", "--json", "--raw"):
         assert flag in r.stdout
 
 
@@ -62,3 +62,25 @@ def test_streams_text_and_prints_stats(tmp_path):
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip()
     assert "tok/s" in r.stderr and "tau=" in r.stderr
+
+
+def test_compile_cache_is_written_and_reused(tmp_path):
+    """--compile-cache DIR fills DIR on the first run; a second run of the same shapes
+    finds its programs there (and prints the same tokens); 'off' writes nothing."""
+    cache = tmp_path / "xla"
+    args = ("--prompt", "Name a colour.", "--max-new-tokens", "6", "--json", "--method",
+            "vegas", "--gamma", "2")
+    first = run(*args, "--compile-cache", str(cache))
+    assert first.returncode == 0, first.stderr
+    entries = set(os.listdir(cache))
+    assert any("spec_round" in e for e in entries), sorted(entries)[:10]
+    second = run(*args, "--compile-cache", str(cache))
+    assert second.returncode == 0, second.stderr
+    assert set(os.listdir(cache)) == entries  # nothing new had to be compiled
+    assert json.loads(second.stdout)["results"] == json.loads(first.stdout)["results"]
+    session_cache = os.environ["VEGAS_JAX_COMPILE_CACHE"]  # the default in tests
+    before = set(os.listdir(session_cache)) if os.path.isdir(session_cache) else set()
+    r = run(*args, "--gamma", "3", "--compile-cache", "off")  # new shapes: would compile
+    assert r.returncode == 0, r.stderr
+    after = set(os.listdir(session_cache)) if os.path.isdir(session_cache) else set()
+    assert after == before

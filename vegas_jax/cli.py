@@ -2,7 +2,28 @@
 
 from __future__ import annotations
 
+import os
+
 DTYPES = ("auto", "bf16", "fp32")
+CACHE_ENV = "VEGAS_JAX_COMPILE_CACHE"
+
+
+def default_compile_cache() -> str:
+    return os.environ.get(CACHE_ENV) or os.path.join(
+        os.path.expanduser("~"), ".cache", "vegas_jax", "xla")
+
+
+def enable_compile_cache(path: str | None) -> str | None:
+    """JAX's persistent compilation cache in `path` ("off" or None: disabled): a second run
+    of the same shapes loads its programs instead of compiling them."""
+    if not path or path == "off":
+        return None
+    import jax
+
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    return path
 
 
 def add_model_args(p) -> None:
@@ -19,6 +40,9 @@ def add_model_args(p) -> None:
     p.add_argument("--dtype", default="auto", choices=DTYPES,
                    help="weights and KV cache dtype; auto = bf16 on GPU, fp32 on CPU")
     add_exec_args(p)
+    p.add_argument("--compile-cache", default=default_compile_cache(), metavar="DIR",
+                   help=f"JAX's persistent compilation cache (${CACHE_ENV} moves it); 'off' "
+                   "disables it. A second run of the same shapes skips most compiling")
 
 
 def add_sampling_args(p) -> None:
@@ -47,8 +71,10 @@ def dtype_from_arg(name: str):
 
 
 def load_from_args(args, random_init: bool = False):
+    """The model the flags describe (and the compilation cache they ask for)."""
     from vegas_jax.execution import exec_from_args
     from vegas_jax.loading import load_model
 
+    enable_compile_cache(args.compile_cache)
     return load_model(args.model, checkpoint=args.checkpoint, random_init=random_init,
                       dtype=dtype_from_arg(args.dtype), exec_config=exec_from_args(args))
