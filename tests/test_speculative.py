@@ -46,7 +46,11 @@ def test_greedy_equals_vanilla(tiny, prompts, vanilla, method, score):
     res = speculative_generate(tiny, prompts, 48,
                                SpecConfig(method=method, gamma=3, min_tokens=8, score=score))
     assert res.tokens == vanilla.tokens
-    assert 1.0 <= res.stats["tau"] <= 4.0
+    st = res.stats
+    # tau (mean acceptance length) = 1 + the sum of the cumulative acceptance by position,
+    # and the cumulative is the running product of the conditional one
+    assert st["tau"] == pytest.approx(1 + sum(st["acceptance_cumulative"]))
+    assert np.allclose(np.cumprod(st["acceptance_conditional"]), st["acceptance_cumulative"])
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -57,6 +61,7 @@ def test_select_everything_accepts_every_draft(tiny, prompts, vanilla, method):
     assert res.tokens == vanilla.tokens
     assert res.stats["tau"] == pytest.approx(5.0)
     assert res.stats["acceptance_by_position"] == [1.0] * 4
+    assert res.stats["acceptance_conditional"] == [1.0] * 4
 
 
 def test_eos_stops_each_sequence(prompts):

@@ -141,14 +141,14 @@ def run(args) -> int:
         for i, text in enumerate(res.text or []):
             print(f"\n=== [{i}] ===\n{text}")
     print()
-    acc = ", ".join(f"{a:.2f}" for a in st.get("acceptance_by_position", []))
+    acc = ", ".join(f"{a:.2f}" for a in st.get("acceptance_conditional", []))
     log(f"[vegas_jax] {st['decode_tokens']} tokens in {st['decode_s']:.2f}s (batch "
         f"{st['batch']}; the first call, compiling, took {st['first_call_s']:.2f}s); "
         f"{st['decode_tokens_per_s']:.1f} tok/s after it; prefill {st['prefill_s']:.2f}s")
     if spec.method.speculative:
         log(f"[vegas_jax] method={spec.name} gamma={spec.gamma} sparsity={spec.sparsity} "
-            f"tau={st['tau']:.2f} tokens/round over {st['rounds']} rounds; acceptance by "
-            f"draft position: [{acc}]")
+            f"tau={st['tau']:.2f} tokens/round over {st['rounds']} rounds; acceptance of "
+            f"draft i given 1..i-1 accepted: [{acc}]")
     if "auto" in st:
         a = st["auto"]
         calls = ", ".join(f"{k} x{n}" for k, n in a["calls"].items())

@@ -367,6 +367,11 @@ def speculative_generate(
     if not collector.done.all():
         drive(step, state, collector, clock, on_out=count)
     rounds = max(tally["rounds"], 1)
+    if auto is not None:  # rounds of several gammas: the controller counted each position
+        conditional = auto.hits[1:] / np.maximum(auto.trials[1:], 1)
+    else:
+        reached = np.concatenate([[tally["rounds"]], tally["accepted_at"][:-1]])
+        conditional = tally["accepted_at"] / np.maximum(reached, 1)
     stats = {
         "method": spec.name,
         "gamma": gamma if auto is None else None,
@@ -376,8 +381,14 @@ def speculative_generate(
         "prefill_s": prefill_s,
         **clock.stats(),
         "rounds": tally["calls"],  # speculative rounds (auto also makes plain-step calls)
+        # tau = mean acceptance length (accepted drafts + 1 per round); acceptance by
+        # position i: cumulative = P(drafts 1..i all accepted), conditional = P(draft i
+        # accepted | drafts 1..i-1 accepted, draft i made). `acceptance_by_position` is the
+        # cumulative one (its old name).
         "tau": tally["emitted"] / rounds,
         "acceptance_by_position": (tally["accepted_at"] / rounds).tolist(),
+        "acceptance_cumulative": (tally["accepted_at"] / rounds).tolist(),
+        "acceptance_conditional": conditional.tolist(),
         "attn_impl": xc.attn,
         "cache_len": cache.max_len,
     }
