@@ -141,7 +141,7 @@ def run(args) -> int:
         for i, text in enumerate(res.text or []):
             print(f"\n=== [{i}] ===\n{text}")
     print()
-    acc = ", ".join(f"{a:.2f}" for a in st.get("acceptance_conditional", []))
+    acc = ", ".join("-" if a is None else f"{a:.2f}" for a in st.get("acceptance_conditional", []))
     log(f"[vegas_jax] {st['decode_tokens']} tokens in {st['decode_s']:.2f}s (batch "
         f"{st['batch']}; the first call, compiling, took {st['first_call_s']:.2f}s); "
         f"{st['decode_tokens_per_s']:.1f} tok/s after it; prefill {st['prefill_s']:.2f}s")

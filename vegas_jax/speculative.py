@@ -368,10 +368,11 @@ def speculative_generate(
         drive(step, state, collector, clock, on_out=count)
     rounds = max(tally["rounds"], 1)
     if auto is not None:  # rounds of several gammas: the controller counted each position
-        conditional = auto.hits[1:] / np.maximum(auto.trials[1:], 1)
+        conditional = [float(h / t) if t else None  # None: never drafted
+                       for h, t in zip(auto.hits[1:], auto.trials[1:])]
     else:
         reached = np.concatenate([[tally["rounds"]], tally["accepted_at"][:-1]])
-        conditional = tally["accepted_at"] / np.maximum(reached, 1)
+        conditional = (tally["accepted_at"] / np.maximum(reached, 1)).tolist()
     stats = {
         "method": spec.name,
         "gamma": gamma if auto is None else None,
@@ -388,7 +389,7 @@ def speculative_generate(
         "tau": tally["emitted"] / rounds,
         "acceptance_by_position": (tally["accepted_at"] / rounds).tolist(),
         "acceptance_cumulative": (tally["accepted_at"] / rounds).tolist(),
-        "acceptance_conditional": conditional.tolist(),
+        "acceptance_conditional": conditional,
         "attn_impl": xc.attn,
         "cache_len": cache.max_len,
     }
