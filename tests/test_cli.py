@@ -23,7 +23,7 @@ def test_help_explains_every_flag():
     for flag in ("--model", "--checkpoint", "--prompt", "--prompt-file", "--max-new-tokens",
                  "--temperature", "--top-k", "--top-p", "--min-p", "--seed", "--method",
                  "--gamma", "--sparsity", "--min-tokens", "--score", "--dtype", "--attn-impl",
-                 "--gemm", "--layers", "--compile-cache", "--json", "--raw"):
+                 "--gemm", "--layers", "--compile-cache", "--max-context", "--json", "--raw"):
         assert flag in r.stdout
 
 
@@ -37,6 +37,7 @@ def test_help_explains_every_flag():
     (["--checkpoint", "/no/such/dir"], "/no/such/dir"),
     (["--model", "qwen3-8b"], "--checkpoint"),
     (["--prompt-file", "/no/such/file.txt"], "prompt file not found"),
+    (["--max-context", "9000"], "smollm2-135m supports at most 8192 positions"),
 ])
 def test_bad_input_is_a_clear_error(args, message):
     r = run(*args)

@@ -167,3 +167,19 @@ def test_qwen3_yarn_reaches_128k():
     cfg = REGISTRY["qwen3-8b"].with_yarn(4.0)
     assert cfg.max_position_embeddings == 131072
     assert cfg.rope_scaling.kind == "yarn" and cfg.rope_scaling.original_max_position == 32768
+
+
+def test_context_flag_switches_qwen3_to_yarn_and_refuses_beyond():
+    q = REGISTRY["qwen3-8b"]
+    short = q.with_context(32768)  # fits natively: same RoPE, the limit is the user's
+    assert short.rope_scaling is None and short.max_position_embeddings == 32768
+    long = q.with_context(100_000)
+    assert long.rope_scaling.kind == "yarn" and long.rope_scaling.factor == 4.0
+    assert long.rope_scaling.original_max_position == 32768
+    assert long.max_position_embeddings == 100_000
+    with pytest.raises(ValueError, match="at most 131072"):
+        q.with_context(131073)
+    with pytest.raises(ValueError, match="at most 8192"):
+        REGISTRY["smollm2-135m"].with_context(9000)
+    with pytest.raises(ValueError, match="whole number"):
+        q.with_context(0)

@@ -40,6 +40,10 @@ def add_model_args(p) -> None:
     p.add_argument("--dtype", default="auto", choices=DTYPES,
                    help="weights and KV cache dtype; auto = bf16 on GPU, fp32 on CPU")
     add_exec_args(p)
+    p.add_argument("--max-context", type=int, default=None, metavar="N",
+                   help="positions the model must hold (prompt + new tokens); Qwen3 beyond "
+                   "its native 40960 switches to YaRN (factor 4, up to 131072), as its model "
+                   "card describes")
     p.add_argument("--compile-cache", default=default_compile_cache(), metavar="DIR",
                    help=f"JAX's persistent compilation cache (${CACHE_ENV} moves it); 'off' "
                    "disables it. A second run of the same shapes skips most compiling")
@@ -76,5 +80,8 @@ def load_from_args(args, random_init: bool = False):
     from vegas_jax.loading import load_model
 
     enable_compile_cache(args.compile_cache)
-    return load_model(args.model, checkpoint=args.checkpoint, random_init=random_init,
-                      dtype=dtype_from_arg(args.dtype), exec_config=exec_from_args(args))
+    model = load_model(args.model, checkpoint=args.checkpoint, random_init=random_init,
+                       dtype=dtype_from_arg(args.dtype), exec_config=exec_from_args(args))
+    if args.max_context is not None:
+        model = model._replace(config=model.config.with_context(args.max_context))
+    return model

@@ -69,6 +69,24 @@ class ModelConfig:
             max_position_embeddings=int(original * factor),
         )
 
+    def with_context(self, tokens: int) -> "ModelConfig":
+        """This config limited to `tokens` positions (prompt + new tokens), which it must be
+        able to hold: as it is when they fit; Qwen3 beyond its native window switches to
+        YaRN with the model card's factor 4 (up to 131072 positions); anything else is
+        refused with the model's limit."""
+        if int(tokens) != tokens or tokens < 1:
+            raise ValueError(f"context must be a whole number >= 1, got {tokens}")
+        if tokens <= self.max_position_embeddings:
+            return dataclasses.replace(self, max_position_embeddings=int(tokens))
+        if self.arch == "qwen3" and self.rope_scaling is None:
+            long = self.with_yarn(4.0)
+            if tokens <= long.max_position_embeddings:
+                return dataclasses.replace(long, max_position_embeddings=int(tokens))
+            limit = long.max_position_embeddings
+        else:
+            limit = self.max_position_embeddings
+        raise ValueError(f"{self.name} supports at most {limit} positions, asked for {tokens}")
+
     def num_params(self) -> int:
         h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
         attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)

@@ -97,13 +97,15 @@ def main(argv=None) -> int:
 
 
 def run(args) -> int:
-    from vegas_jax.config import get_config
     from vegas_jax.cli import sampling_from_args
+    from vegas_jax.config import DEFAULT_MODEL, get_config
     from vegas_jax.speculative import SpecConfig
 
     # Validate everything cheap before loading weights.
-    if args.model is not None:
-        get_config(args.model)
+    if args.model is not None or args.checkpoint is None:
+        cfg = get_config(args.model or DEFAULT_MODEL)
+        if args.max_context is not None:
+            cfg.with_context(args.max_context)
     sampling = sampling_from_args(args)
     spec = SpecConfig(method=args.method, gamma=args.gamma, sparsity=args.sparsity,
                       min_tokens=args.min_tokens, score=args.score)
