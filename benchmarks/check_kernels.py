@@ -13,7 +13,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.sparse_attention import sparse_attention, sparse_attention_reference
+from pallas_kernels.sparse_attention import (
+    SparseBlocks, sparse_attention, sparse_attention_reference, sparse_step, sparse_step_reference,
+)
 from pallas_kernels.verify_attention import verify_attention, verify_attention_reference
 
 
@@ -50,6 +52,42 @@ def check_sparse(case, key):
     return rel(out, ref)
 
 
+def step_cases():
+    # (L, b, kh, g, d, s, K, tail, qk_norm, unsplit_from, dtype)
+    yield (4, 64, 3, 3, 64, 7808, 547, 13, False, 128, jnp.bfloat16)  # SmolLM2 B 64: one program
+    yield (4, 64, 3, 3, 64, 7808, 547, 13, False, 10**6, jnp.bfloat16)  # split + combine
+    yield (4, 64, 3, 3, 64, 7808, 16, 547, False, 128, jnp.bfloat16)  # stream's window
+    yield (2, 4, 8, 4, 128, 8192, 600, 13, True, 128, jnp.float32)  # Qwen3, split
+    yield (2, 1, 3, 3, 64, 4099, 300, 13, False, 128, jnp.bfloat16)  # B 1
+
+
+def check_step(case, key):
+    """The fused draft block vs its reference: output and both written caches."""
+    L, b, kh, g, d, s, K, W, qk_norm, unsplit, dt = case
+    ks = jax.random.split(key, 7)
+    kc = jax.random.normal(ks[0], (L, b, kh, s, d), jnp.float32).astype(dt)
+    vc = jax.random.normal(ks[1], (L, b, kh, s, d), jnp.float32).astype(dt)
+    qkv = (2 * jax.random.normal(ks[2], (b, 1, (kh * g + 2 * kh) * d), jnp.float32)).astype(dt)
+    norms = (1 + 0.3 * jax.random.normal(ks[6], (2, d), jnp.float32)).astype(dt)
+    q_pos = jax.random.randint(ks[3], (b,), s // 2, s)
+    tail_start = jnp.maximum(q_pos - W + 3, 0)
+    idx = jax.random.randint(ks[4], (L, b, K), 0, s // 2)
+    count = jax.random.randint(ks[5], (L, b), 1, K + 1)
+    emb = q_pos.astype(jnp.float32)[:, None, None] * (
+        10000.0 ** (-jnp.arange(0, d, 2) / d))[None, None, :]
+    emb = jnp.concatenate([emb, emb], -1)
+    kw = dict(tail_len=W, num_heads=kh * g, qk_norm=qk_norm, idx_layer=jnp.int32(L - 2))
+    args = (qkv, norms, jnp.cos(emb), jnp.sin(emb), kc, vc, jnp.int32(L - 1), idx, count,
+            tail_start, q_pos)
+    ref = jax.jit(lambda *a: sparse_step_reference(*a, **kw))(*args)
+    out = jax.jit(lambda *a: sparse_step(*a, **kw, blocks=SparseBlocks(unsplit_from=unsplit)),
+                  donate_argnums=(4, 5))(*args)
+    bi, at = jnp.arange(b), jnp.minimum(q_pos, s - 1)
+    rows = [rel(o[L - 1, bi, :, at], r[L - 1, bi, :, at]) for o, r in zip(out[1:], ref[1:])]
+    v_exact = bool(jnp.array_equal(out[2], ref[2]))  # V is copied as is; nothing else moves
+    return max(rel(out[0], ref[0]), *rows) if v_exact else float("inf")
+
+
 def check_verify(case, key):
     b, kh, g, d, s, t, capture, rows = case
     ks = jax.random.split(key, 4)
@@ -72,6 +110,11 @@ def main() -> int:
         bound = 2e-2 if case[-1] == jnp.bfloat16 else 1e-3
         bad += err > bound
         print(f"sparse {case[:9]} rel err {err:.2e} {'ok' if err <= bound else 'FAIL'}")
+    for i, case in enumerate(step_cases()):
+        err = check_step(case, jax.random.fold_in(key, 50 + i))
+        bound = 2e-2 if case[-1] == jnp.bfloat16 else 1e-3
+        bad += err > bound
+        print(f"step {case[:10]} rel err {err:.2e} {'ok' if err <= bound else 'FAIL'}")
     for i, case in enumerate([(64, 3, 3, 64, 7808, 7, "mean", (0, 6)),
                               (4, 8, 4, 128, 8192, 7, "rows", tuple(range(7)))]):
         err = check_verify(case, jax.random.fold_in(key, 100 + i))

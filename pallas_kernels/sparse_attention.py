@@ -85,47 +85,54 @@ def sparse_attention_reference(q, k_cache, v_cache, layer, idx, count, tail_star
 @dataclasses.dataclass(frozen=True)
 class SparseBlocks:
     """Tuning knobs. block_k: gathered rows per loop step; num_warps / num_stages: Triton;
-    target_programs: grid size aimed at when cutting the entries into chunks."""
+    target_programs: grid size aimed at when cutting the entries into chunks;
+    unsplit_from: `sparse_step` runs one program per (sequence, KV head) and normalises in
+    the kernel (no combine pass) once the batch has this many (sequence, KV head) pairs."""
 
     block_k: int = 64
     num_warps: int = 4
     num_stages: int = 2
     target_programs: int = 528
+    unsplit_from: int = 128
 
 
-def _sparse_kernel(layers_ref, q_ref, idx_ref, cnt_ref, ts_ref, qp_ref, k_ref, v_ref,
-                   o_ref, m_ref, l_ref, *, block_k, chunk, n_sel, n_idx, tail_len, s_len,
-                   scale, per_head):
-    # layers_ref [2] (cache layer, index layer); q_ref [rows, d]; idx_ref [Li, b, k|1, K];
-    # cnt_ref [Li, b, k|1]; ts_ref, qp_ref [b]; k_ref, v_ref [L, b, k, s, d];
-    # o_ref [rows, d], m_ref, l_ref [rows]
-    bi = pl.program_id(0)
-    h = pl.program_id(1)
-    j = pl.program_id(2)
-    hi = h if per_head else jnp.int32(0)
-    layer = layers_ref[0]
-    il = layers_ref[1]
-    q = q_ref[...]  # [rows, d]
-    rows, d = q.shape
+def _chunk_attention(q_parts, k_ref, v_ref, idx_ref, cnt_ref, ts_ref, layer, il, bi, h, hi,
+                     j, qpos, *, block_k, chunk, n_sel, n_idx, tail_len, s_len, scale,
+                     skip_qpos, one_program=False):
+    """Online softmax of program j's chunk (selected entries or tail) for one (sequence,
+    KV head). q_parts: ((q [rows, w], last-axis slice of the cache rows it multiplies),
+    ...): the logits are the sum of their dots (RoPE's two halves, or the whole row).
+    With `skip_qpos`, entries at the query's own position are left out and counted: its
+    K/V is written by this very call, so the caller adds it from registers.
+    `one_program`: this program covers the whole list and then the whole tail.
+    Returns (o [rows, d], m [rows], l [rows], hits)."""
+    rows = q_parts[0][0].shape[0]
+    d = v_ref.shape[-1]
     kr = jnp.arange(block_k, dtype=jnp.int32)
-    qpos = qp_ref[bi]
 
     def attend(pos, ok, carry):
-        o, m, l = carry
+        o, m, l, hits = carry
         pos = jnp.clip(pos, 0, s_len - 1)
-        k = k_ref[layer, bi, h, pos, :]  # gather [block_k, d]
-        qk = dot(q, k, trans_b=True) * scale  # [rows, block_k]
-        qk = jnp.where(ok[None, :], qk, NEG)
+        if skip_qpos:
+            here = ok & (pos == qpos)
+            hits = hits + jnp.sum(here.astype(jnp.int32))
+            ok = ok & (pos != qpos)
+        qk = None
+        for qp, sl in q_parts:
+            k = k_ref[layer, bi, h, pos, sl]  # gather [block_k, w]
+            part = dot(qp, k, trans_b=True)  # [rows, block_k]
+            qk = part if qk is None else qk + part
+        qk = jnp.where(ok[None, :], qk * scale, NEG)
         m_new = jnp.maximum(m, qk.max(axis=-1))
         corr = jnp.exp(m - m_new)
         p = jnp.exp(qk - m_new[:, None])
         l = l * corr + p.sum(axis=-1)
-        v = v_ref[layer, bi, h, pos, :]
+        v = v_ref[layer, bi, h, pos, :]  # gather [block_k, d]
         o = o * corr[:, None] + dot(p.astype(v.dtype), v)
-        return o, m_new, l
+        return o, m_new, l, hits
 
     carry0 = (jnp.zeros((rows, d), jnp.float32), jnp.full((rows,), NEG, jnp.float32),
-              jnp.zeros((rows,), jnp.float32))
+              jnp.zeros((rows,), jnp.float32), jnp.int32(0))
 
     def selected(carry):
         cnt = jnp.minimum(cnt_ref[il, bi, hi], n_idx)
@@ -143,7 +150,7 @@ def _sparse_kernel(layers_ref, q_ref, idx_ref, cnt_ref, ts_ref, qp_ref, k_ref, v
     def tail(carry):
         t0 = ts_ref[bi]
         n_valid = jnp.clip(qpos - t0 + 1, 0, tail_len)  # entries tail_start .. q_pos
-        e0 = (j - n_sel) * chunk
+        e0 = 0 if one_program else (j - n_sel) * chunk
         nblk = pl.cdiv(jnp.maximum(jnp.minimum(e0 + chunk, n_valid) - e0, 0), block_k)
 
         def body(i, c):
@@ -152,13 +159,51 @@ def _sparse_kernel(layers_ref, q_ref, idx_ref, cnt_ref, ts_ref, qp_ref, k_ref, v
 
         return lax.fori_loop(0, nblk, body, carry)
 
+    if one_program:
+        return tail(selected(carry0)) if tail_len > 0 else selected(carry0)
     if tail_len > 0:
-        o, m, l = lax.cond(j < n_sel, selected, tail, carry0)
-    else:
-        o, m, l = selected(carry0)
+        return lax.cond(j < n_sel, selected, tail, carry0)
+    return selected(carry0)
+
+
+def _sparse_kernel(layers_ref, q_ref, idx_ref, cnt_ref, ts_ref, qp_ref, k_ref, v_ref,
+                   o_ref, m_ref, l_ref, *, per_head, **kw):
+    # layers_ref [2] (cache layer, index layer); q_ref [rows, d]; idx_ref [Li, b, k|1, K];
+    # cnt_ref [Li, b, k|1]; ts_ref, qp_ref [b]; k_ref, v_ref [L, b, k, s, d];
+    # o_ref [rows, d], m_ref, l_ref [rows]
+    bi, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    hi = h if per_head else jnp.int32(0)
+    q = q_ref[...]  # [rows, d]
+    o, m, l, _ = _chunk_attention(((q, slice(None)),), k_ref, v_ref, idx_ref, cnt_ref, ts_ref,
+                                  layers_ref[0], layers_ref[1], bi, h, hi, j, qp_ref[bi],
+                                  skip_qpos=False, **kw)
     o_ref[...] = o
     m_ref[...] = m
     l_ref[...] = l
+
+
+def _chunking(b, kh, n_idx, tail_len, blocks, split=True):
+    """(block_k, chunk, n_sel, n_prog): entries cut into chunks of equal length, enough
+    programs per (sequence, KV head) to reach `blocks.target_programs` (one if not split)."""
+    bk = max(16, min(blocks.block_k, pow2_at_least(max(n_idx, tail_len, 1))))
+    entries = n_idx + tail_len
+    if not split:  # one program walks the whole list, then the whole tail
+        return bk, pl.cdiv(max(n_idx, tail_len, 1), bk) * bk, 1, 1
+    per_bh = max(1, min(pl.cdiv(entries, bk), pl.cdiv(blocks.target_programs, b * kh)))
+    chunk = pl.cdiv(pl.cdiv(entries, per_bh), bk) * bk
+    n_sel = max(1, pl.cdiv(n_idx, chunk))
+    n_prog = n_sel + (pl.cdiv(tail_len, chunk) if tail_len > 0 else 0)
+    return bk, chunk, n_sel, n_prog
+
+
+def _index_inputs(b, idx, count, idx_layer):
+    if idx_layer is None:
+        idx, count, idx_layer = idx[None], count[None], 0
+    per_head = idx.ndim == 4
+    idx4 = (idx if per_head else idx[:, :, None, :]).astype(jnp.int32)  # [Li, b, k|1, K]
+    cnt3 = jnp.broadcast_to(count.reshape(count.shape[0], b, -1),
+                            idx4.shape[:3]).astype(jnp.int32)
+    return idx4, cnt3, idx_layer, per_head
 
 
 def sparse_attention(q, k_cache, v_cache, layer, idx, count, tail_start, q_pos, *, tail_len,
@@ -169,19 +214,9 @@ def sparse_attention(q, k_cache, v_cache, layer, idx, count, tail_start, q_pos, 
     """
     b, _, kh, g, d = q.shape
     s = k_cache.shape[3]
-    if idx_layer is None:
-        idx, count, idx_layer = idx[None], count[None], 0
-    per_head = idx.ndim == 4
-    idx4 = (idx if per_head else idx[:, :, None, :]).astype(jnp.int32)  # [Li, b, k|1, K]
-    cnt3 = jnp.broadcast_to(count.reshape(count.shape[0], b, -1),
-                            idx4.shape[:3]).astype(jnp.int32)
+    idx4, cnt3, idx_layer, per_head = _index_inputs(b, idx, count, idx_layer)
     n_idx = idx4.shape[-1]
-    bk = max(16, min(blocks.block_k, pow2_at_least(max(n_idx, tail_len, 1))))
-    entries = n_idx + tail_len
-    per_bh = max(1, min(pl.cdiv(entries, bk), pl.cdiv(blocks.target_programs, b * kh)))
-    chunk = pl.cdiv(pl.cdiv(entries, per_bh), bk) * bk
-    n_sel = max(1, pl.cdiv(n_idx, chunk))
-    n_prog = n_sel + (pl.cdiv(tail_len, chunk) if tail_len > 0 else 0)
+    bk, chunk, n_sel, n_prog = _chunking(b, kh, n_idx, tail_len, blocks)
     rows = pow2_at_least(g)
     qr = jnp.pad(q[:, 0], ((0, 0), (0, 0), (0, rows - g), (0, 0)))  # [b, kh, rows, d]
     layers = jnp.stack([jnp.asarray(layer, jnp.int32), jnp.asarray(idx_layer, jnp.int32)])
@@ -218,3 +253,195 @@ def sparse_attention(q, k_cache, v_cache, layer, idx, count, tail_start, q_pos, 
       k_cache, v_cache)
     out, _ = combine_splits(o, m, l)  # [b, kh, rows, d]
     return out[:, None, :, :g].astype(q.dtype)
+
+
+# ---------------------------------------------------------------------------------------
+# The draft step's whole attention block in one kernel
+# ---------------------------------------------------------------------------------------
+#
+# A draft step runs one token through every layer; at small models its time goes to the
+# number of kernels, not their bytes. `sparse_step` takes the layer's raw Q/K/V projection
+# and does, per (sequence, KV head): the Q/K RMS norm (Qwen3), RoPE (rotate-half, as the
+# two halves of the head dim), the new token's K/V write into the cache (in place, through
+# input/output aliasing), and the sparse attention above. The new token's own entry is
+# taken from registers, never read back from the cache: other programs of the same call
+# may not see the write yet. With one program per (sequence, KV head) the kernel also
+# normalises and writes the output rows itself, so no combine pass follows.
+
+
+def _rms(parts, w_ref, w_row, eps, d):
+    """RMS-normalise the row(s) held as halves `parts` ([r, d/2] each), times the weight
+    row w_ref[w_row] in the input dtype, as the model's `rms_norm` does."""
+    dt = parts[0].dtype
+    fs = [x.astype(jnp.float32) for x in parts]
+    inv = lax.rsqrt(sum(jnp.sum(f * f, axis=-1) for f in fs) / d + eps)  # [r]
+    half = d // 2
+    return [w_ref[w_row, pl.ds(i * half, half)][None, :] * (f * inv[:, None]).astype(dt)
+            for i, f in enumerate(fs)]
+
+
+def _rope(x1, x2, cos, sin):
+    """Rotate-half RoPE on the halves x1, x2 [r, d/2] with cos, sin [1, d/2] fp32."""
+    dt = x1.dtype
+    f1, f2 = x1.astype(jnp.float32), x2.astype(jnp.float32)
+    return (f1 * cos - f2 * sin).astype(dt), (f2 * cos + f1 * sin).astype(dt)
+
+
+def _step_kernel(layers_ref, qkv_ref, norm_ref, rope_ref, idx_ref, cnt_ref, ts_ref, qp_ref,
+                 k_ref, v_ref, *outs, per_head, g, kh, qk_norm, eps, normalize, **kw):
+    # layers_ref [2]; qkv_ref [b, n + 2k, d] (raw projection: q heads | k heads | v heads);
+    # norm_ref [2, d] (q, k norm weights); rope_ref [b, 2, d/2] (cos, sin of the query's
+    # position); idx_ref, cnt_ref, ts_ref, qp_ref as in `_sparse_kernel`;
+    # k_ref, v_ref [L, b, k, s, d] (read); outs: o_ref [b, n, d] when normalize, else
+    # o_ref [rows, d], m_ref, l_ref [rows]; then ko_ref, vo_ref (= k_ref, v_ref, aliased)
+    if normalize:
+        o_ref, ko_ref, vo_ref = outs
+    else:
+        o_ref, m_ref, l_ref, ko_ref, vo_ref = outs
+    bi, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    hi = h if per_head else jnp.int32(0)
+    layer = layers_ref[0]
+    qpos = qp_ref[bi]
+    d = qkv_ref.shape[-1]
+    half = d // 2
+    lo, up = pl.ds(0, half), pl.ds(half, half)
+    rows = pow2_at_least(g)
+    # padded rows repeat the head's last query row: they compute (and write) the same values
+    rid = h * g + jnp.minimum(jnp.arange(rows, dtype=jnp.int32), g - 1)  # [rows]
+    cos = rope_ref[bi, 0, :][None, :]  # [1, d/2]
+    sin = rope_ref[bi, 1, :][None, :]
+
+    q = [qkv_ref[bi, rid, lo], qkv_ref[bi, rid, up]]  # gather [rows, d/2] x 2
+    k = [qkv_ref[bi, pl.ds(kh * g + h, 1), lo], qkv_ref[bi, pl.ds(kh * g + h, 1), up]]
+    v = qkv_ref[bi, pl.ds(kh * g + kh + h, 1), :]  # [1, d]
+    if qk_norm:
+        q, k = _rms(q, norm_ref, 0, eps, d), _rms(k, norm_ref, 1, eps, d)
+    q = _rope(*q, cos, sin)
+    k = _rope(*k, cos, sin)
+
+    @pl.when((j == 0) & (qpos < kw["s_len"]))
+    def _write():
+        ko_ref[layer, bi, h, pl.ds(qpos, 1), lo] = k[0]
+        ko_ref[layer, bi, h, pl.ds(qpos, 1), up] = k[1]
+        vo_ref[layer, bi, h, pl.ds(qpos, 1), :] = v
+
+    o, m, l, hits = _chunk_attention(((q[0], lo), (q[1], up)), k_ref, v_ref, idx_ref, cnt_ref,
+                                     ts_ref, layer, layers_ref[1], bi, h, hi, j, qpos,
+                                     skip_qpos=True, one_program=normalize, **kw)
+    # the new token's own entry, as often as this chunk listed its position
+    s_new = sum(jnp.sum(qp.astype(jnp.float32) * kp.astype(jnp.float32), axis=-1)
+                for qp, kp in zip(q, k)) * kw["scale"]  # [rows]
+    seen = hits > 0
+    m_new = jnp.where(seen, jnp.maximum(m, s_new), m)
+    corr = jnp.exp(m - m_new)
+    p = jnp.where(seen, jnp.exp(s_new - m_new) * hits.astype(jnp.float32), 0.0)
+    l = l * corr + p
+    o = o * corr[:, None] + p[:, None] * v.astype(jnp.float32)
+    if normalize:
+        o = o / jnp.where(l == 0.0, 1.0, l)[:, None]
+        o_ref[bi, rid, :] = o.astype(o_ref.dtype)
+    else:
+        o_ref[...] = o
+        m_ref[...] = m_new
+        l_ref[...] = l
+
+
+def sparse_step(qkv, norms, cos, sin, k_cache, v_cache, layer, idx, count, tail_start, q_pos,
+                *, tail_len, num_heads, qk_norm=False, eps=1e-6, idx_layer=None,
+                interpret=False, blocks: SparseBlocks = SparseBlocks()):
+    """One draft token's attention block for one layer, in one Pallas (Triton) call:
+    `sparse_step_reference`'s semantics.
+
+    qkv [b, 1, (n + 2k) * d]: the layer's raw Q/K/V projection; norms [2, d]: the Q and K
+    RMS-norm weights (read when qk_norm); cos, sin [b, 1, d]: RoPE tables at q_pos (the
+    two halves equal, as `rope_tables` makes them); caches [L, b, k, s, d], written at
+    q_pos (layer `layer`) and returned; the rest as in `sparse_attention`.
+    Returns (out [b, 1, k, g, d] in qkv.dtype, k_cache, v_cache).
+    """
+    b = qkv.shape[0]
+    _, _, kh, s, d = k_cache.shape
+    g = num_heads // kh
+    idx4, cnt3, idx_layer, per_head = _index_inputs(b, idx, count, idx_layer)
+    n_idx = idx4.shape[-1]
+    normalize = b * kh >= blocks.unsplit_from
+    bk, chunk, n_sel, n_prog = _chunking(b, kh, n_idx, tail_len, blocks, split=not normalize)
+    rows = pow2_at_least(g)
+    half = d // 2
+    rope = jnp.stack([cos[:, 0, :half], sin[:, 0, :half]], axis=1).astype(jnp.float32)
+    layers = jnp.stack([jnp.asarray(layer, jnp.int32), jnp.asarray(idx_layer, jnp.int32)])
+    kernel = functools.partial(
+        _step_kernel, block_k=bk, chunk=chunk, n_sel=n_sel, n_idx=n_idx, tail_len=tail_len,
+        s_len=s, scale=d**-0.5, per_head=per_head, g=g, kh=kh, qk_norm=qk_norm, eps=eps,
+        normalize=normalize)
+    cache_shape = jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype)
+    if normalize:
+        out_specs = [whole((b, num_heads, d)), whole(k_cache.shape), whole(v_cache.shape)]
+        out_shape = [jax.ShapeDtypeStruct((b, num_heads, d), qkv.dtype), cache_shape,
+                     cache_shape]
+    else:
+        spec_o = pl.BlockSpec((None, None, None, rows, d), lambda bi, h, c: (bi, h, c, 0, 0))
+        spec_v = pl.BlockSpec((None, None, None, rows), lambda bi, h, c: (bi, h, c, 0))
+        out_specs = [spec_o, spec_v, spec_v, whole(k_cache.shape), whole(v_cache.shape)]
+        out_shape = [
+            jax.ShapeDtypeStruct((b, kh, n_prog, rows, d), jnp.float32),  # [b, k, J, rows, d]
+            jax.ShapeDtypeStruct((b, kh, n_prog, rows), jnp.float32),
+            jax.ShapeDtypeStruct((b, kh, n_prog, rows), jnp.float32),
+            cache_shape, cache_shape]
+    n_out = len(out_shape)
+    res = pl.pallas_call(
+        kernel,
+        grid=(b, kh, n_prog),
+        in_specs=[whole((2,)), whole((b, num_heads + 2 * kh, d)), whole((2, d)),
+                  whole((b, 2, half)), whole(idx4.shape), whole(cnt3.shape), whole((b,)),
+                  whole((b,)), whole(k_cache.shape), whole(v_cache.shape)],
+        out_specs=out_specs,
+        out_shape=out_shape,
+        input_output_aliases={8: n_out - 2, 9: n_out - 1},
+        compiler_params=pltr.CompilerParams(num_warps=blocks.num_warps,
+                                            num_stages=blocks.num_stages),
+        interpret=interpret,
+        name="vegas_sparse_step",
+    )(layers, qkv.reshape(b, num_heads + 2 * kh, d), norms.astype(qkv.dtype), rope, idx4,
+      cnt3, tail_start.astype(jnp.int32), q_pos.astype(jnp.int32), k_cache, v_cache)
+    k_cache, v_cache = res[-2:]
+    if normalize:
+        out = res[0].reshape(b, kh, g, d)
+    else:
+        out, _ = combine_splits(*res[:3])  # [b, kh, rows, d]
+        out = out[:, :, :g].astype(qkv.dtype)
+    return out[:, None], k_cache, v_cache
+
+
+def sparse_step_reference(qkv, norms, cos, sin, k_cache, v_cache, layer, idx, count,
+                          tail_start, q_pos, *, tail_len, num_heads, qk_norm=False, eps=1e-6,
+                          idx_layer=None):
+    """Split, norm, RoPE, cache write and `sparse_attention_reference`, in plain XLA."""
+    b = qkv.shape[0]
+    _, _, kh, s, d = k_cache.shape
+    x = qkv.reshape(b, 1, num_heads + 2 * kh, d)
+    q, k, v = x[:, :, :num_heads], x[:, :, num_heads:num_heads + kh], x[:, :, num_heads + kh:]
+
+    def rms(y, w):
+        yf = y.astype(jnp.float32)
+        yf = yf * lax.rsqrt(jnp.mean(yf * yf, axis=-1, keepdims=True) + eps)
+        return w.astype(y.dtype) * yf.astype(y.dtype)
+
+    def rope(y):
+        yf = y.astype(jnp.float32)
+        rot = jnp.concatenate([-yf[..., d // 2:], yf[..., :d // 2]], axis=-1)
+        return (yf * cos[:, :, None] + rot * sin[:, :, None]).astype(y.dtype)
+
+    if qk_norm:
+        q, k = rms(q, norms[0]), rms(k, norms[1])
+    q, k = rope(q), rope(k)
+    ok = q_pos < s
+    at = jnp.minimum(q_pos, s - 1)
+    bi = jnp.arange(b)
+    k_cache = k_cache.at[layer, bi, :, at].set(
+        jnp.where(ok[:, None, None], k[:, 0], k_cache[layer, bi, :, at]))
+    v_cache = v_cache.at[layer, bi, :, at].set(
+        jnp.where(ok[:, None, None], v[:, 0], v_cache[layer, bi, :, at]))
+    out = sparse_attention_reference(q.reshape(b, 1, kh, num_heads // kh, d), k_cache, v_cache,
+                                     layer, idx, count, tail_start, q_pos, tail_len=tail_len,
+                                     idx_layer=idx_layer)
+    return out, k_cache, v_cache

@@ -53,13 +53,15 @@ def _same_top(got, scores, count, tol=1e-6):
 @pytest.mark.parametrize("impl", ["xla", "pallas"])
 def test_vegas_selection_is_the_top_of_verify_rows_0_and_gamma(tiny_hf, impl, monkeypatch):
     if impl == "pallas":  # the Pallas kernels on the CPU, in interpret mode
-        from pallas_kernels.sparse_attention import sparse_attention
+        from pallas_kernels.sparse_attention import sparse_attention, sparse_step
         from pallas_kernels.verify_attention import verify_attention
 
         monkeypatch.setattr(attn_mod, "verify_attention",
                             functools.partial(verify_attention, interpret=True))
         monkeypatch.setattr(attn_mod, "sparse_attention",
                             functools.partial(sparse_attention, interpret=True))
+        monkeypatch.setattr(attn_mod, "sparse_step",
+                            functools.partial(sparse_step, interpret=True))
     ckpt, hf_model = tiny_hf("llama-gqa")
     model = load_model(checkpoint=ckpt, dtype=jnp.float32)
     cfg = model.config

@@ -29,14 +29,17 @@ def setup():
     return model, prompts, generate(model, prompts, NEW)
 
 
-@pytest.mark.parametrize("method", ["vegas", "vegas-all", "last", "stream", "quest"])
-def test_greedy_matches_vanilla_on_real_weights(setup, method):
+# vegas-all and last differ from vegas only in the verify rows they capture (the tiny-model
+# tests run them at full length): a shorter run here keeps CI time down.
+@pytest.mark.parametrize("method,new", [("vegas", NEW), ("stream", NEW), ("quest", NEW),
+                                        ("vegas-all", NEW // 2), ("last", NEW // 2)])
+def test_greedy_matches_vanilla_on_real_weights(setup, method, new):
     model, prompts, ref = setup
     assert all(len(t) == NEW for t in ref.tokens)  # no early EOS: the runs are long
-    res = speculative_generate(model, prompts, NEW,
+    res = speculative_generate(model, prompts, new,
                                SpecConfig(method=method, gamma=5, min_tokens=MIN_TOKENS))
-    assert res.tokens == ref.tokens
+    assert res.tokens == [t[:new] for t in ref.tokens]  # greedy: a prefix of the long run
     st = res.stats
     # partial acceptance happened: neither every draft kept nor none
     assert 1.0 < st["tau"] < 6.0, st["tau"]
-    assert st["rounds"] >= NEW // 6
+    assert st["rounds"] >= new // 6

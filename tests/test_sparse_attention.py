@@ -77,3 +77,73 @@ def test_lowers_for_cuda(per_head):
             pytest.skip(f"this jaxlib cannot lower for CUDA: {e}")
         raise
     assert "xla.gpu.triton" in txt
+
+
+# (b, kh, g, d, s, K, tail_len, qk_norm, dtype, unsplit): the whole draft attention block
+STEP_CASES = [
+    (2, 2, 3, 64, 300, 37, 9, False, jnp.float32, False),
+    (2, 2, 3, 64, 300, 37, 9, True, jnp.float32, True),
+    (3, 1, 8, 32, 257, 20, 16, True, jnp.bfloat16, True),
+    (2, 2, 2, 64, 300, 3, 90, False, jnp.float32, False),  # long tail over several programs
+]
+
+
+@pytest.mark.parametrize("case", STEP_CASES, ids=[f"c{i}" for i in range(len(STEP_CASES))])
+def test_sparse_step_matches_reference(case):
+    from pallas_kernels.sparse_attention import sparse_step, sparse_step_reference
+
+    b, kh, g, d, s, K, W, qk_norm, dtype, unsplit = case
+    L, n = 2, kh * g
+    ks = jax.random.split(jax.random.PRNGKey(s + K + W), 8)
+    kc = jax.random.normal(ks[0], (L, b, kh, s, d), jnp.float32).astype(dtype)
+    vc = jax.random.normal(ks[1], (L, b, kh, s, d), jnp.float32).astype(dtype)
+    qkv = (2.0 * jax.random.normal(ks[2], (b, 1, (n + 2 * kh) * d))).astype(dtype)
+    norms = (1.0 + 0.3 * jax.random.normal(ks[6], (2, d))).astype(dtype)
+    q_pos = jax.random.randint(ks[3], (b,), s // 2, s).at[0].set(s - 1)  # ragged; one at the end
+    tail_start = jnp.maximum(q_pos - max(W - 3, 0), 0)
+    idx = jax.random.randint(ks[4], (L, b, K), 0, s // 2)
+    # a selected entry at the query's own position must read the new K/V, not the stale row
+    idx = idx.at[1, 1, 0].set(q_pos[1])
+    count = jax.random.randint(ks[5], (L, b), 1, K + 1).at[1].set(K)
+    pos = q_pos.astype(jnp.float32)[:, None, None]
+    freqs = pos * (10000.0 ** (-jnp.arange(0, d, 2) / d))[None, None, :]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    cos, sin = jnp.cos(emb), jnp.sin(emb)
+    args = (qkv, norms, cos, sin, kc, vc, jnp.int32(1), idx, count, tail_start, q_pos)
+    kw = dict(tail_len=W, num_heads=n, qk_norm=qk_norm, eps=1e-6, idx_layer=jnp.int32(1))
+    ref, rk, rv = sparse_step_reference(*args, **kw)
+    blocks = SparseBlocks(block_k=16, target_programs=3 * b * kh,
+                          unsplit_from=1 if unsplit else 10**6)
+    out, ok_, ov = sparse_step(*args, **kw, interpret=True, blocks=blocks)
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    tol = 2e-2 if dtype == jnp.bfloat16 else 1e-4
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32),
+                               atol=tol, rtol=tol)
+    # the cache: the new rows written at q_pos of layer 1, nothing else touched
+    np.testing.assert_array_equal(np.asarray(ov), np.asarray(rv))
+    np.testing.assert_allclose(np.asarray(ok_, np.float32), np.asarray(rk, np.float32),
+                               atol=tol, rtol=tol)
+    assert not np.array_equal(np.asarray(rk), np.asarray(kc))
+
+
+def test_sparse_step_lowers_for_cuda():
+    from pallas_kernels.sparse_attention import sparse_step
+
+    L, b, kh, g, d, s, K = 2, 64, 3, 3, 64, 4096, 300
+    sd = jax.ShapeDtypeStruct
+    bf = jnp.bfloat16
+    for unsplit in (1, 10**6):
+        fn = functools.partial(sparse_step, tail_len=13, num_heads=kh * g, qk_norm=True,
+                               blocks=SparseBlocks(unsplit_from=unsplit))
+        try:
+            txt = jax.jit(fn).trace(
+                sd((b, 1, (kh * g + 2 * kh) * d), bf), sd((2, d), bf), sd((b, 1, d), jnp.float32),
+                sd((b, 1, d), jnp.float32), sd((L, b, kh, s, d), bf), sd((L, b, kh, s, d), bf),
+                sd((), jnp.int32), sd((b, K), jnp.int32), sd((b,), jnp.int32),
+                sd((b,), jnp.int32), sd((b,), jnp.int32),
+            ).lower(lowering_platforms=("cuda",)).as_text()
+        except Exception as e:  # pragma: no cover - depends on the jaxlib build
+            if "platform" in str(e).lower() and "cuda" in str(e).lower():
+                pytest.skip(f"this jaxlib cannot lower for CUDA: {e}")
+            raise
+        assert "xla.gpu.triton" in txt

@@ -334,13 +334,15 @@ def test_drive_keeps_one_call_in_flight():
     assert events[-1] == ("read", 2)
 
 
-@pytest.mark.parametrize("method", ["vegas", "stream"])
-def test_pallas_kernels_end_to_end_equal_the_xla_path(monkeypatch, method):
+@pytest.mark.parametrize("method,draft", [("vegas", "fused"), ("stream", "split")])
+def test_pallas_kernels_end_to_end_equal_the_xla_path(monkeypatch, method, draft):
     """speculative_generate through the Pallas kernels (interpret mode on the CPU: prefill,
-    verify with capture, sparse drafts) gives the XLA path's tokens, which are vanilla's."""
+    verify with capture, sparse drafts as one fused kernel a layer or split around the
+    sparse-attention kernel) gives the XLA path's tokens, which are vanilla's; the fused
+    drafts' acceptance equals the XLA drafts' (same attention, so the same drafts)."""
     import functools
 
-    from pallas_kernels.sparse_attention import sparse_attention
+    from pallas_kernels.sparse_attention import sparse_attention, sparse_step
     from pallas_kernels.verify_attention import verify_attention
     from vegas_jax import attention as attn_mod
 
@@ -348,7 +350,9 @@ def test_pallas_kernels_end_to_end_equal_the_xla_path(monkeypatch, method):
                         functools.partial(verify_attention, interpret=True))
     monkeypatch.setattr(attn_mod, "sparse_attention",
                         functools.partial(sparse_attention, interpret=True))
+    monkeypatch.setattr(attn_mod, "sparse_step", functools.partial(sparse_step, interpret=True))
     m = tiny_model(scale=0.3)
+    m = m._replace(exec_config=ExecConfig(draft=draft))
     rng = np.random.default_rng(11)
     prompts = [rng.integers(0, 100, size=n).tolist() for n in (45, 130)]
     spec = SpecConfig(method=method, gamma=3, min_tokens=8)
@@ -357,4 +361,5 @@ def test_pallas_kernels_end_to_end_equal_the_xla_path(monkeypatch, method):
     pallas = speculative_generate(m, prompts, 16, spec, attn_impl="pallas")
     assert pallas.stats["attn_impl"] == "pallas"
     assert xla.tokens == ref.tokens
+    assert pallas.stats["tau"] == xla.stats["tau"]
     assert pallas.tokens == ref.tokens

@@ -16,6 +16,7 @@ class TinyModel(NamedTuple):
     config: ModelConfig
     params: Any
     tokenizer: Any = None
+    exec_config: Any = None  # how it runs (None: the default ExecConfig)
 
 
 def tiny_config(arch="qwen3", vocab=100, layers=2, eos=()):

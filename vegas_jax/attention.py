@@ -16,7 +16,9 @@ from typing import Any
 import jax
 from flax import struct
 
-from pallas_kernels.sparse_attention import sparse_attention, sparse_attention_reference
+from pallas_kernels.sparse_attention import (
+    sparse_attention, sparse_attention_reference, sparse_step,
+)
 from pallas_kernels.verify_attention import verify_attention, verify_attention_reference
 
 SCORES = ("weight", "logit")
@@ -81,3 +83,20 @@ def attention(plan: AttnPlan, xc, q, k_cache, v_cache, layer, positions):
                  tail_len=plan.tail_len, idx_layer=at)
         return out, None
     raise ValueError(f"unknown attention mode {plan.mode!r}")
+
+
+def fused_draft(plan: AttnPlan, xc) -> bool:
+    """Whether this forward's attention block runs as `sparse_step` (one kernel a layer):
+    sparse drafts with given index lists on the Pallas path (Quest's picker needs the
+    rotated query outside the kernel)."""
+    return (plan.mode == "sparse" and plan.picker is None and xc.attn == "pallas"
+            and xc.draft == "fused")
+
+
+def sparse_block(plan: AttnPlan, cfg, qkv, norms, cos, sin, k_cache, v_cache, layer, positions):
+    """The fused draft attention block: qkv [b, 1, (n + 2k) * d] raw projection, norms [2, d],
+    cos/sin [b, 1, d]. Returns (out [b, 1, k, g, d], k_cache, v_cache)."""
+    return sparse_step(qkv, norms, cos, sin, k_cache, v_cache, layer, plan.idx, plan.count,
+                       plan.tail_start, positions[:, 0], tail_len=plan.tail_len,
+                       num_heads=cfg.num_heads, qk_norm=cfg.qk_norm, eps=cfg.rms_norm_eps,
+                       idx_layer=layer if plan.layered else 0)

@@ -15,6 +15,7 @@ import jax
 ATTN = ("auto", "pallas", "xla")
 GEMM = ("auto", "triton", "cublas")
 LAYERS = ("auto", "scan", "unrolled")
+DRAFT = ("auto", "fused", "split")
 
 # GPU defaults, from kernel profiles (BENCHMARKS.md, "What changed" and "Weight reads"):
 # decode-shaped matmuls read large weights several times faster through cuBLAS than
@@ -30,15 +31,21 @@ class ExecConfig:
     layers: "scan" walks stacked layer weights with `lax.scan` (compile time flat in depth);
       "unrolled" runs a Python loop over per-layer weight buffers (no per-layer slice
       copies on the GPU, longer compiles). The params' layout must match (`layout_params`).
+    draft: with the Pallas kernels, a sparse draft step's attention block (Q/K norm, RoPE,
+      K/V write, sparse attention, combine) runs as one "fused" kernel or "split" into
+      XLA ops around the sparse-attention kernel; no effect on the XLA path.
     "auto" resolves by backend: on the GPU cuBLAS and a scan (whose weight slices cuBLAS
-    reads in place through XLA's dynamic-slice fusion); elsewhere the XLA path and a scan."""
+    reads in place through XLA's dynamic-slice fusion); elsewhere the XLA path and a scan;
+    fused drafts wherever the Pallas kernels run."""
 
     attn: str = "auto"
     gemm: str = "auto"
     layers: str = "auto"
+    draft: str = "auto"
 
     def __post_init__(self):
-        for name, allowed in (("attn", ATTN), ("gemm", GEMM), ("layers", LAYERS)):
+        for name, allowed in (("attn", ATTN), ("gemm", GEMM), ("layers", LAYERS),
+                              ("draft", DRAFT)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
 
@@ -49,11 +56,12 @@ class ExecConfig:
             attn=self.attn if self.attn != "auto" else ("pallas" if gpu else "xla"),
             gemm=self.gemm if self.gemm != "auto" else ("cublas" if gpu else "triton"),
             layers=self.layers if self.layers != "auto" else "scan",
+            draft=self.draft if self.draft != "auto" else "fused",
         )
 
     @property
     def resolved(self) -> bool:
-        return "auto" not in (self.attn, self.gemm, self.layers)
+        return "auto" not in (self.attn, self.gemm, self.layers, self.draft)
 
     def compiler_options(self) -> dict:
         if self.gemm != "cublas":
@@ -98,7 +106,12 @@ def add_exec_args(p) -> None:
     p.add_argument("--layers", default="auto", choices=LAYERS,
                    help="layer loop: scan over stacked weights (auto; compiles fast) or "
                    "unrolled over per-layer weight buffers (compiles ~20x slower)")
+    p.add_argument("--draft-attn", default="auto", choices=DRAFT,
+                   help="Pallas path only: a draft step's attention block (norm, RoPE, K/V "
+                   "write, sparse attention) as one fused kernel (auto) or split into XLA "
+                   "ops around the sparse-attention kernel")
 
 
 def exec_from_args(args) -> ExecConfig:
-    return ExecConfig(attn=args.attn_impl or "auto", gemm=args.gemm, layers=args.layers)
+    return ExecConfig(attn=args.attn_impl or "auto", gemm=args.gemm, layers=args.layers,
+                      draft=args.draft_attn)

@@ -18,7 +18,7 @@ import numpy as np
 from flax import struct
 from jax import lax
 
-from vegas_jax.attention import AttnPlan, attention
+from vegas_jax.attention import AttnPlan, attention, fused_draft, sparse_block
 from vegas_jax.cache import KVCache, write_kv
 from vegas_jax.config import ModelConfig, rope_inv_freq
 from vegas_jax.execution import ExecConfig
@@ -88,12 +88,22 @@ def apply_rope(x, cos, sin):
 
 def _layer(cfg: ModelConfig, xc: ExecConfig, plan: AttnPlan, cos, sin, positions, write: bool):
     k_heads, g, d = cfg.num_kv_heads, cfg.group_size, cfg.head_dim
+    fused = write and fused_draft(plan, xc)  # the attention block in one kernel
+
+    def norms(lp):  # [2, d]: Q and K norm weights, ones where the model has none
+        if cfg.qk_norm:
+            return jnp.stack([lp.q_norm, lp.k_norm])
+        return jnp.ones((2, d), lp.attn_norm.dtype)
 
     def step(carry, lp: LayerParams, li):
         x, k_cache, v_cache = carry  # x [b, t, h]
         b, t, _ = x.shape
         h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
         qkv = jnp.einsum("bth,hn->btn", h, lp.w_qkv)  # [b, t, (n + 2k)*d]
+        if fused:
+            o, k_cache, v_cache = sparse_block(plan, cfg, qkv, norms(lp), cos, sin, k_cache,
+                                               v_cache, li, positions)
+            return finish(x, o, lp, k_cache, v_cache, None)
         nq, nk = k_heads * g * d, k_heads * d
         q = qkv[..., :nq].reshape(b, t, k_heads * g, d)
         k = qkv[..., nq:nq + nk].reshape(b, t, k_heads, d)
@@ -106,6 +116,10 @@ def _layer(cfg: ModelConfig, xc: ExecConfig, plan: AttnPlan, cos, sin, positions
         if write:
             k_cache, v_cache = write_kv(k_cache, v_cache, li, k, v, positions)
         o, scores = attention(plan, xc, q, k_cache, v_cache, li, positions)
+        return finish(x, o, lp, k_cache, v_cache, scores)
+
+    def finish(x, o, lp, k_cache, v_cache, scores):
+        b, t, _ = x.shape
         x = x + jnp.einsum("btn,nh->bth", o.reshape(b, t, -1).astype(x.dtype), lp.wo)
         h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
         gate_up = jnp.einsum("bth,hf->btf", h, lp.w_gate_up)  # [b, t, 2f]
