@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.sparse_attention import (
-    SparseBlocks, sparse_attention, sparse_attention_reference, sparse_step, sparse_step_reference,
+    StepBlocks, sparse_attention, sparse_attention_reference, sparse_step, sparse_step_reference,
 )
 from pallas_kernels.verify_attention import verify_attention, verify_attention_reference
 
@@ -53,7 +53,7 @@ def check_sparse(case, key):
 
 
 def step_cases():
-    # (L, b, kh, g, d, s, K, tail, qk_norm, unsplit_from, dtype)
+    # (L, b, kh, g, d, s, K, tail, qk_norm, whole_from, dtype)
     yield (4, 64, 3, 3, 64, 7808, 547, 13, False, 128, jnp.bfloat16)  # SmolLM2 B 64: one program
     yield (4, 64, 3, 3, 64, 7808, 547, 13, False, 10**6, jnp.bfloat16)  # split + combine
     yield (4, 64, 3, 3, 64, 7808, 16, 547, False, 128, jnp.bfloat16)  # stream's window
@@ -80,7 +80,7 @@ def check_step(case, key):
     args = (qkv, norms, jnp.cos(emb), jnp.sin(emb), kc, vc, jnp.int32(L - 1), idx, count,
             tail_start, q_pos)
     ref = jax.jit(lambda *a: sparse_step_reference(*a, **kw))(*args)
-    out = jax.jit(lambda *a: sparse_step(*a, **kw, blocks=SparseBlocks(unsplit_from=unsplit)),
+    out = jax.jit(lambda *a: sparse_step(*a, **kw, blocks=StepBlocks(whole_from=unsplit)),
                   donate_argnums=(4, 5))(*args)
     bi, at = jnp.arange(b), jnp.minimum(q_pos, s - 1)
     rows = [rel(o[L - 1, bi, :, at], r[L - 1, bi, :, at]) for o, r in zip(out[1:], ref[1:])]

@@ -98,6 +98,9 @@ def build_parser():
     add_exec_args(p)
     p.add_argument("--phases", default="decode,draft,verify,round",
                    help="comma-separated subset of decode,draft,verify,verify0,round")
+    p.add_argument("--step-whole-from", type=int, default=None, metavar="N",
+                   help="fused draft kernel: one program per (sequence, KV head) from N "
+                   "pairs on (default: the library's StepBlocks)")
     p.add_argument("--top", type=int, default=25, help="kernels listed per phase")
     p.add_argument("--label", default="", help="prefix of every printed line")
     p.add_argument("--hlo", default=None, metavar="DIR", help="write the optimised HLO here")
@@ -113,6 +116,11 @@ def main(argv=None) -> int:
     from vegas_jax.speculative import SpecConfig
 
     args = build_parser().parse_args(argv)
+    if args.step_whole_from is not None:
+        import dataclasses
+
+        from pallas_kernels import sparse_attention as sa
+        sa.STEP_BLOCKS = dataclasses.replace(sa.STEP_BLOCKS, whole_from=args.step_whole_from)
     phases = args.phases.split(",")
     model = load_model(args.model, random_init=True, exec_config=exec_from_args(args))
     xc = model.exec_config

@@ -85,15 +85,26 @@ def sparse_attention_reference(q, k_cache, v_cache, layer, idx, count, tail_star
 @dataclasses.dataclass(frozen=True)
 class SparseBlocks:
     """Tuning knobs. block_k: gathered rows per loop step; num_warps / num_stages: Triton;
-    target_programs: grid size aimed at when cutting the entries into chunks;
-    unsplit_from: `sparse_step` runs one program per (sequence, KV head) and normalises in
-    the kernel (no combine pass) once the batch has this many (sequence, KV head) pairs."""
+    target_programs: grid size aimed at when cutting the entries into chunks."""
 
     block_k: int = 64
     num_warps: int = 4
     num_stages: int = 2
     target_programs: int = 528
-    unsplit_from: int = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class StepBlocks:
+    """Tuning knobs of `sparse_step`: from `whole_from` (sequence, KV head) pairs on, one
+    program per pair walks its whole list and tail and normalises in the kernel (`whole`
+    blocks; no combine pass); below it the entries are split across programs (`split`)."""
+
+    split: SparseBlocks = SparseBlocks()
+    whole: SparseBlocks = SparseBlocks(block_k=128, num_stages=3)
+    whole_from: int = 128
+
+
+STEP_BLOCKS = StepBlocks()  # read at call time (benchmarks.tune_sparse_step swaps it)
 
 
 def _chunk_attention(q_parts, k_ref, v_ref, idx_ref, cnt_ref, ts_ref, layer, il, bi, h, hi,
@@ -348,7 +359,7 @@ def _step_kernel(layers_ref, qkv_ref, norm_ref, rope_ref, idx_ref, cnt_ref, ts_r
 
 def sparse_step(qkv, norms, cos, sin, k_cache, v_cache, layer, idx, count, tail_start, q_pos,
                 *, tail_len, num_heads, qk_norm=False, eps=1e-6, idx_layer=None,
-                interpret=False, blocks: SparseBlocks = SparseBlocks()):
+                interpret=False, blocks: StepBlocks | None = None):
     """One draft token's attention block for one layer, in one Pallas (Triton) call:
     `sparse_step_reference`'s semantics.
 
@@ -363,7 +374,9 @@ def sparse_step(qkv, norms, cos, sin, k_cache, v_cache, layer, idx, count, tail_
     g = num_heads // kh
     idx4, cnt3, idx_layer, per_head = _index_inputs(b, idx, count, idx_layer)
     n_idx = idx4.shape[-1]
-    normalize = b * kh >= blocks.unsplit_from
+    blocks = blocks or STEP_BLOCKS
+    normalize = b * kh >= blocks.whole_from
+    blocks = blocks.whole if normalize else blocks.split
     bk, chunk, n_sel, n_prog = _chunking(b, kh, n_idx, tail_len, blocks, split=not normalize)
     rows = pow2_at_least(g)
     half = d // 2

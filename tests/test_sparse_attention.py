@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.sparse_attention import (
-    SparseBlocks, sparse_attention, sparse_attention_reference,
+    SparseBlocks, StepBlocks, sparse_attention, sparse_attention_reference,
 )
 
 # (L, b, kh, g, d, s, K, tail_len, per_head, dtype, layer axis on idx)
@@ -112,8 +112,8 @@ def test_sparse_step_matches_reference(case):
     args = (qkv, norms, cos, sin, kc, vc, jnp.int32(1), idx, count, tail_start, q_pos)
     kw = dict(tail_len=W, num_heads=n, qk_norm=qk_norm, eps=1e-6, idx_layer=jnp.int32(1))
     ref, rk, rv = sparse_step_reference(*args, **kw)
-    blocks = SparseBlocks(block_k=16, target_programs=3 * b * kh,
-                          unsplit_from=1 if unsplit else 10**6)
+    sb = SparseBlocks(block_k=16, target_programs=3 * b * kh)
+    blocks = StepBlocks(split=sb, whole=sb, whole_from=1 if unsplit else 10**6)
     out, ok_, ov = sparse_step(*args, **kw, interpret=True, blocks=blocks)
     assert out.shape == ref.shape and out.dtype == ref.dtype
     tol = 2e-2 if dtype == jnp.bfloat16 else 1e-4
@@ -134,7 +134,7 @@ def test_sparse_step_lowers_for_cuda():
     bf = jnp.bfloat16
     for unsplit in (1, 10**6):
         fn = functools.partial(sparse_step, tail_len=13, num_heads=kh * g, qk_norm=True,
-                               blocks=SparseBlocks(unsplit_from=unsplit))
+                               blocks=StepBlocks(whole_from=unsplit))
         try:
             txt = jax.jit(fn).trace(
                 sd((b, 1, (kh * g + 2 * kh) * d), bf), sd((2, d), bf), sd((b, 1, d), jnp.float32),

@@ -1,0 +1,88 @@
+"""Block sizes of the fused draft attention block (`sparse_step`) on the GPU.
+
+    PYTHONPATH=. python -m benchmarks.tune_sparse_step [--batch 64] [--context 7680]
+
+Times 30 chained calls (one per layer, the cache carried and written in place, as in a
+draft step) for each candidate `SparseBlocks`, against the split path (XLA prologue +
+`sparse_attention` + combine), and prints microseconds per call."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels.sparse_attention import (
+    SparseBlocks, StepBlocks, sparse_step, sparse_step_reference,
+)
+
+SPLIT = 10**9
+CANDIDATES = [
+    ("split t528 bk64", StepBlocks(whole_from=SPLIT)),
+    ("split t1056 bk64", StepBlocks(SparseBlocks(target_programs=1056), whole_from=SPLIT)),
+    ("split t528 bk32", StepBlocks(SparseBlocks(block_k=32), whole_from=SPLIT)),
+    ("whole bk64 w4", StepBlocks(whole=SparseBlocks(), whole_from=1)),
+    ("whole bk128 w4 s3", StepBlocks(whole_from=1)),
+    ("whole bk128 w4 s2", StepBlocks(whole=SparseBlocks(block_k=128), whole_from=1)),
+]
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--context", type=int, default=7680)
+    p.add_argument("--kv-heads", type=int, default=3)
+    p.add_argument("--group", type=int, default=3)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--layers", type=int, default=30)
+    p.add_argument("--sparsity", type=float, default=0.07)
+    p.add_argument("--tail", type=int, default=13)
+    a = p.parse_args()
+    L, b, kh, g, d = a.layers, a.batch, a.kv_heads, a.group, a.head_dim
+    s = a.context + 128
+    K = int(a.sparsity * a.context) + 8
+    ks = jax.random.split(jax.random.PRNGKey(0), 6)
+    kc = jax.random.normal(ks[0], (L, b, kh, s, d), jnp.bfloat16)
+    vc = jax.random.normal(ks[1], (L, b, kh, s, d), jnp.bfloat16)
+    qkv = jax.random.normal(ks[2], (b, 1, (kh * g + 2 * kh) * d), jnp.bfloat16)
+    norms = jnp.ones((2, d), jnp.bfloat16)
+    q_pos = jnp.full((b,), a.context + 3, jnp.int32)
+    tail_start = q_pos - a.tail + 1
+    idx = jax.random.randint(ks[4], (L, b, K), 0, a.context - a.tail).astype(jnp.int32)
+    count = jnp.full((L, b), K - 8, jnp.int32)
+    cos = jnp.ones((b, 1, d), jnp.float32)
+    sin = jnp.zeros((b, 1, d), jnp.float32)
+
+    def chain(fn):
+        def run(qkv, kc, vc):
+            def body(li, c):
+                x, kc, vc = c
+                o, kc, vc = fn(x, norms, cos, sin, kc, vc, li, idx, count, tail_start, q_pos,
+                               tail_len=a.tail, num_heads=kh * g, idx_layer=li)
+                return (x + (o.sum() * 0).astype(x.dtype), kc, vc)
+            return lax.fori_loop(0, L, body, (qkv, kc, vc))
+        return jax.jit(run, donate_argnums=(1, 2))
+
+    print(f"B {b}, context {a.context}, {K - 8} selected + tail {a.tail}, {L} layers")
+    rows = [("reference (XLA)", sparse_step_reference, None)]
+    rows += [(n, sparse_step, bl) for n, bl in CANDIDATES]
+    for name, fn, bl in rows:
+        f = fn if bl is None else (lambda *x, bl=bl, **k: sparse_step(*x, **k, blocks=bl))
+        run = chain(f)
+        x, kc, vc = run(qkv, kc, vc)
+        jax.block_until_ready(kc)
+        ts = []
+        for _ in range(7):
+            t0 = time.perf_counter()
+            x, kc, vc = run(qkv, kc, vc)
+            jax.block_until_ready(kc)
+            ts.append(time.perf_counter() - t0)
+        ts.sort()
+        print(f"{name:20s} {ts[3] / L * 1e6:8.1f} us per layer call")
+
+
+if __name__ == "__main__":
+    main()
