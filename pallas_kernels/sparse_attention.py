@@ -124,13 +124,15 @@ def _chunk_attention(q_parts, k_ref, v_ref, idx_ref, cnt_ref, ts_ref, layer, il,
     def attend(pos, ok, carry):
         o, m, l, hits = carry
         pos = jnp.clip(pos, 0, s_len - 1)
+        # both gathers first: V's latency overlaps the logits and the softmax
+        ks = [k_ref[layer, bi, h, pos, sl] for _, sl in q_parts]  # gather [block_k, w] each
+        v = v_ref[layer, bi, h, pos, :]  # gather [block_k, d]
         if skip_qpos:
             here = ok & (pos == qpos)
             hits = hits + jnp.sum(here.astype(jnp.int32))
             ok = ok & (pos != qpos)
         qk = None
-        for qp, sl in q_parts:
-            k = k_ref[layer, bi, h, pos, sl]  # gather [block_k, w]
+        for (qp, _), k in zip(q_parts, ks):
             part = dot(qp, k, trans_b=True)  # [rows, block_k]
             qk = part if qk is None else qk + part
         qk = jnp.where(ok[None, :], qk * scale, NEG)
@@ -138,7 +140,6 @@ def _chunk_attention(q_parts, k_ref, v_ref, idx_ref, cnt_ref, ts_ref, layer, il,
         corr = jnp.exp(m - m_new)
         p = jnp.exp(qk - m_new[:, None])
         l = l * corr + p.sum(axis=-1)
-        v = v_ref[layer, bi, h, pos, :]  # gather [block_k, d]
         o = o * corr[:, None] + dot(p.astype(v.dtype), v)
         return o, m_new, l, hits
 
@@ -150,13 +151,20 @@ def _chunk_attention(q_parts, k_ref, v_ref, idx_ref, cnt_ref, ts_ref, layer, il,
         e0 = j * chunk
         nblk = pl.cdiv(jnp.maximum(jnp.minimum(e0 + chunk, cnt) - e0, 0), block_k)
 
-        def body(i, c):
+        def positions(i):
             e = e0 + i * block_k + kr
-            pos = pltr.load(idx_ref.at[il, bi, hi, pl.ds(e0 + i * block_k, block_k)],
-                            mask=e < n_idx, other=0)
-            return attend(pos, e < cnt, c)
+            return pltr.load(idx_ref.at[il, bi, hi, pl.ds(e0 + i * block_k, block_k)],
+                             mask=e < n_idx, other=0)
 
-        return lax.fori_loop(0, nblk, body, carry)
+        def body(i, c):
+            # the next block's positions are loaded a step ahead: their latency overlaps
+            # this block's gathers instead of preceding them
+            *c, pos = c
+            nxt = positions(i + 1)
+            return (*attend(pos, e0 + i * block_k + kr < cnt, c), nxt)
+
+        *carry, _ = lax.fori_loop(0, nblk, body, (*carry, positions(0)))
+        return tuple(carry)
 
     def tail(carry):
         t0 = ts_ref[bi]
