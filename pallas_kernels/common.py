@@ -8,7 +8,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
-dot = getattr(pltr, "dot", None) or pl.dot  # moved to pallas.triton in newer jax
+_dot = getattr(pltr, "dot", None) or pl.dot  # moved to pallas.triton in newer jax
+
+
+def dot(a, b, trans_a=False, trans_b=False):
+    """Triton dot with fp32 accumulation; fp32 operands multiply in full fp32, not TF32
+    (fp32 results must match the XLA path's; bf16 operands are unaffected)."""
+    return _dot(a, b, trans_a=trans_a, trans_b=trans_b, allow_tf32=False)
 # A finite "minus infinity" for masked logits: exp(NEG - m) is 0 without inf - inf = NaN.
 NEG = -0.7 * float(jnp.finfo(jnp.float32).max)
 

@@ -61,10 +61,12 @@ def sparse_attention_reference(q, k_cache, v_cache, layer, idx, count, tail_star
     vals = jnp.concatenate([gather_rows(v_cache, layer, idx),
                             gather_rows(v_cache, layer, tail)], 2)
     ok = jnp.concatenate([sel_ok, jnp.broadcast_to(tail_ok[:, None, :], (b, kh, tail_len))], 2)
-    logits = jnp.einsum("bkgd,bksd->bkgs", q[:, 0].astype(jnp.float32), keys.astype(jnp.float32))
+    logits = jnp.einsum("bkgd,bksd->bkgs", q[:, 0].astype(jnp.float32), keys.astype(jnp.float32),
+                        precision=lax.Precision.HIGHEST)
     logits = jnp.where(ok[:, :, None, :], logits * d**-0.5, -jnp.inf)  # [b, k, g, K + W]
     w = jax.nn.softmax(logits, axis=-1)
-    out = jnp.einsum("bkgs,bksd->bkgd", w, vals.astype(jnp.float32))
+    out = jnp.einsum("bkgs,bksd->bkgd", w, vals.astype(jnp.float32),
+                     precision=lax.Precision.HIGHEST)
     return out[:, None].astype(q.dtype)
 
 

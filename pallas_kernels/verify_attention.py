@@ -61,13 +61,15 @@ def verify_attention_reference(
 
     def attend(qc, pc):
         # qc [b, c, k, g, d], pc [b, c]
-        logits = jnp.einsum("bckgd,bksd->bkgcs", qc.astype(jnp.float32), k.astype(jnp.float32))
+        logits = jnp.einsum("bckgd,bksd->bkgcs", qc.astype(jnp.float32), k.astype(jnp.float32),
+                            precision=lax.Precision.HIGHEST)
         logits = logits * scale  # [b, k, g, c, s]
         valid = jnp.arange(s)[None, None, None, None, :] <= pc[:, None, None, :, None]
         logits = jnp.where(valid, logits, -jnp.inf)
         lse = jax.nn.logsumexp(logits, axis=-1)  # [b, k, g, c]
         w = jnp.exp(logits - lse[..., None])
-        out = jnp.einsum("bkgcs,bksd->bckgd", w, v.astype(jnp.float32))
+        out = jnp.einsum("bkgcs,bksd->bckgd", w, v.astype(jnp.float32),
+                         precision=lax.Precision.HIGHEST)
         return out.astype(q.dtype), logits, lse, valid
 
     if capture == "none" and query_chunk and t > query_chunk:

@@ -63,6 +63,13 @@ class Params:
     lm_head: jax.Array | None = None  # [h, v]; None when tied to `embed`
 
 
+def mm(spec, a, b):
+    """einsum of activations and weights; fp32 operands multiply in full fp32 (on the GPU
+    XLA would use TF32 by default, and fp32 results must not depend on the batch shape)."""
+    return jnp.einsum(spec, a, b, precision=lax.Precision.HIGHEST if a.dtype == jnp.float32
+                      else None)
+
+
 def rms_norm(x, w, eps):
     # Normalise in fp32 as the reference implementations do, then return to x's dtype.
     xf = x.astype(jnp.float32)
@@ -99,7 +106,7 @@ def _layer(cfg: ModelConfig, xc: ExecConfig, plan: AttnPlan, cos, sin, positions
         x, k_cache, v_cache = carry  # x [b, t, h]
         b, t, _ = x.shape
         h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
-        qkv = jnp.einsum("bth,hn->btn", h, lp.w_qkv)  # [b, t, (n + 2k)*d]
+        qkv = mm("bth,hn->btn", h, lp.w_qkv)  # [b, t, (n + 2k)*d]
         if fused:
             o, k_cache, v_cache = sparse_block(plan, cfg, qkv, norms(lp), cos, sin, k_cache,
                                                v_cache, li, positions)
@@ -120,11 +127,11 @@ def _layer(cfg: ModelConfig, xc: ExecConfig, plan: AttnPlan, cos, sin, positions
 
     def finish(x, o, lp, k_cache, v_cache, scores):
         b, t, _ = x.shape
-        x = x + jnp.einsum("btn,nh->bth", o.reshape(b, t, -1).astype(x.dtype), lp.wo)
+        x = x + mm("btn,nh->bth", o.reshape(b, t, -1).astype(x.dtype), lp.wo)
         h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
-        gate_up = jnp.einsum("bth,hf->btf", h, lp.w_gate_up)  # [b, t, 2f]
+        gate_up = mm("bth,hf->btf", h, lp.w_gate_up)  # [b, t, 2f]
         gate, up = gate_up[..., :cfg.intermediate_size], gate_up[..., cfg.intermediate_size:]
-        x = x + jnp.einsum("btf,fh->bth", jax.nn.silu(gate) * up, lp.w_down)
+        x = x + mm("btf,fh->bth", jax.nn.silu(gate) * up, lp.w_down)
         return (x, k_cache, v_cache), scores
 
     return step
@@ -173,9 +180,9 @@ def forward(
         x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)  # [b, 1, h]
     x = rms_norm(x, params.final_norm, cfg.rms_norm_eps)
     if params.lm_head is None:
-        logits = jnp.einsum("bth,vh->btv", x, params.embed)
+        logits = mm("bth,vh->btv", x, params.embed)
     else:
-        logits = jnp.einsum("bth,hv->btv", x, params.lm_head)
+        logits = mm("bth,hv->btv", x, params.lm_head)
     return logits.astype(jnp.float32), cache.replace(k=k_cache, v=v_cache), scores
 
 
