@@ -297,11 +297,43 @@ def test_auto_drops_rounds_that_cannot_win():
     from vegas_jax.speculative import AutoController
 
     ctl = AutoController(SpecConfig(method=Auto(gammas=(4,)), gamma=4))
-    assert ctl.queue == [0, 0, 0, 4, 4, 4]
+    assert ctl.queue == [0, 0, 0, 0, 4, 4, 4]
     ctl.queue = [4, 4]
     ctl.times[0] = [0.008] * 2
     ctl.times[4] = [0.010]
     assert ctl.choose() == 0 and ctl.queue == []
+
+
+def test_auto_does_not_time_first_dispatches(monkeypatch):
+    """The interval in which an executable is dispatched for the first time (its kernels
+    load on the host) is not counted: driven like `drive` (one call in flight) with a fake
+    clock where a plain call takes 8 ms, a round 10 ms and a first dispatch 30 ms more,
+    every interval the controller keeps is a call's own time."""
+    from vegas_jax import speculative as spec_mod
+    from vegas_jax.selection import Auto
+    from vegas_jax.speculative import AutoController
+
+    now = [0.0]
+    monkeypatch.setattr(spec_mod.time, "perf_counter", lambda: now[0])
+    ctl = AutoController(SpecConfig(method=Auto(gammas=(2, 4)), gamma=4))
+    cost = {0: 0.008, 2: 0.009, 4: 0.010}
+    ctl.runners = {c: (lambda st, c=c: (st, c)) for c in cost}
+
+    def dispatch():
+        c = ctl.choose()
+        if ctl.calls[c] == 0:
+            now[0] += 0.030  # loading the executable's kernels
+        ctl.run(c, None)
+        return c
+
+    flight = [dispatch()]
+    for _ in range(30):
+        flight.append(dispatch())
+        now[0] += cost[flight.pop(0)]  # the earlier call's device time
+        ctl.read(np.array([3]), np.array([True]))
+    assert ctl.times[0] and ctl.times[4]
+    for c, ts in ctl.times.items():
+        assert ts == pytest.approx([cost[c]] * len(ts)), (c, ts)
 
 
 def test_progress_stops_at_eos_and_limit():

@@ -167,7 +167,10 @@ class AutoController:
     small model's case); every REPROBE calls it runs the runner-up once, when its estimate
     is within REPROBE_MARGIN of the best, so an estimate from a few early calls does not
     decide the whole run. Every candidate is compiled before decoding starts (`prepare`):
-    a switch never stalls the device."""
+    a switch never stalls the device. The first call of each executable loads its kernels
+    on the host while it is dispatched (milliseconds on the GPU), so the interval in which
+    that happens is not counted (`run` marks it, `read` drops it): counted, it made plain
+    steps look a third slower than they are at B = 1 on the H200 (BENCHMARKS.md)."""
 
     WINDOW = 3
     VANILLA_STEPS = 8
@@ -178,13 +181,15 @@ class AutoController:
         self.spec = spec
         g0 = spec.gamma
         self.gammas = sorted(set(spec.method.gammas or (max(g0 - 2, 1), g0, g0 + 2)) | {g0})
-        self.queue = [0] * self.WINDOW + [g0] * self.WINDOW
+        # one more plain call than rounds: the interval of the first round's dispatch is dropped
+        self.queue = [0] * (self.WINDOW + 1) + [g0] * self.WINDOW
         self.times: dict[int, list[float]] = collections.defaultdict(list)
         top = max(self.gammas)
         self.trials = np.zeros(top + 1)
         self.hits = np.zeros(top + 1)
         self.in_flight: collections.deque = collections.deque()
         self.last_read = None
+        self.skip_next = False  # the next read's interval holds a first dispatch
         self.calls = collections.Counter()
         self.runners: dict[int, Callable] = {}
         self.compile_s = 0.0
@@ -218,6 +223,8 @@ class AutoController:
 
     def run(self, config: int, state):
         self.in_flight.append(config)
+        # dispatched while the call before it runs: the interval that the next read closes
+        self.skip_next |= self.calls[config] == 0
         self.calls[config] += 1
         return self.runners[config](state)
 
@@ -225,8 +232,9 @@ class AutoController:
         """Called as each call's output is read, in dispatch order."""
         config = self.in_flight.popleft()
         now = time.perf_counter()
-        if self.last_read is not None:  # the very first call's interval has no start
+        if self.last_read is not None and not self.skip_next:  # the first read has no start
             self.times[config].append(now - self.last_read)
+        self.skip_next = False
         self.last_read = now
         if config and n_acc is not None:
             acc = n_acc[active]
