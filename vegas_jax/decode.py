@@ -33,6 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--raw", action="store_true",
                    help="feed prompts as they are instead of through the tokenizer's chat template")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate per prompt")
+    p.add_argument("--max-batch", type=int, default=None, metavar="N",
+                   help="decode at most N prompts at once; a finished one's slot is refilled "
+                   "with the next prompt (default: all prompts in one batch)")
     add_sampling_args(p)
     p.add_argument("--method", default="auto", choices=list(METHODS),
                    help="auto (vegas with gamma, or plain decoding, chosen while generating "
@@ -130,7 +133,8 @@ def run(args) -> int:
     prompts = _prompts(args, model.tokenizer)
     stream = None if args.json or len(prompts) > 1 else Streamer(model.tokenizer)
     res = speculative_generate(model, prompts, args.max_new_tokens, spec=spec, sampling=sampling,
-                               seed=args.seed, on_tokens=stream, attn_impl=args.attn_impl)
+                               seed=args.seed, on_tokens=stream, attn_impl=args.attn_impl,
+                               max_batch=args.max_batch)
     st = res.stats
     if args.json:
         out = {"model": model.config.name, "method": spec.name,

@@ -11,12 +11,12 @@ from flax import struct
 from jax import lax
 
 from vegas_jax.attention import CAUSAL
-from vegas_jax.cache import KVCache
+from vegas_jax.cache import KVCache, init_cache
 from vegas_jax.config import ModelConfig
 from vegas_jax.execution import ExecConfig, model_jit
-from vegas_jax.model import forward
+from vegas_jax.model import forward, param_dtype
 from vegas_jax.runtime import (
-    DecodeClock, GenerationResult, Progress, TokenCollector, decode_text, drive, eos_ids,
+    DecodeClock, GenerationResult, Progress, Refill, TokenCollector, decode_text, drive, eos_ids,
     prefill_prompts, start,
 )
 from vegas_jax.sampling import SamplingParams, sample
@@ -65,35 +65,49 @@ def generate(
     on_tokens: Callable[[list[list[int]]], None] | None = None,
     attn_impl: str | None = None,
     steps_per_call: int = 8,
+    max_batch: int | None = None,
 ) -> GenerationResult:
-    """Vanilla decoding of a batch of prompts of different lengths.
+    """Vanilla decoding of prompts of different lengths.
 
-    `on_tokens` receives, after each device call, the new tokens of every sequence.
+    `on_tokens` receives, after each device call, the new tokens of every prompt.
+    `max_batch`: at most this many sequences at once; each finished one's slot is refilled
+    with the next prompt (results stay in prompt order).
     """
     if steps_per_call < 1:
         raise ValueError("steps_per_call must be >= 1")
     cfg = model.config
-    ids, cache, xc = start(model, prompts, max_new_tokens, sampling, steps_per_call, attn_impl)
+    ids, cache, xc = start(model, prompts, max_new_tokens, sampling, steps_per_call, attn_impl,
+                           max_batch)
+    slots = cache.batch
     key = jax.random.PRNGKey(seed)
     key, k0 = jax.random.split(key)
     eos = eos_ids(model)
-    collector = TokenCollector(len(ids), max_new_tokens, eos, on_tokens)
+    collector = TokenCollector(slots, max_new_tokens, eos, on_tokens, n_prompts=len(ids))
 
     t0 = time.perf_counter()
-    logits, cache, _ = prefill_prompts(model.params, cfg, xc, ids, cache, None)
+    logits, cache, _ = prefill_prompts(model.params, cfg, xc, ids[:slots], cache, None)
     tok, _ = sample(k0, logits, sampling)
     state = DecodeState(cache, tok, key, Progress.start(tok, max_new_tokens, eos))
     collector.add([[t] for t in jax.device_get(tok)])
     prefill_s = time.perf_counter() - t0
 
+    def prefill_one(prompt):  # a waiting prompt, prefilled alone for a free slot
+        one = init_cache(cfg, 1, cache.max_len, param_dtype(model.params))
+        lg, one, _ = prefill_prompts(model.params, cfg, xc, [ids[prompt]], one, None)
+        first, _ = sample(jax.random.fold_in(k0, prompt), lg, sampling)
+        return DecodeState(one, first, key, Progress.start(first, max_new_tokens, eos)), first
+
+    refill = Refill(range(slots, len(ids)), prefill_one, collector) if len(ids) > slots else None
     clock = DecodeClock(collector)
-    if not collector.done.all():
+    if not collector.done.all() or refill is not None:
         drive(lambda st: (lambda s, toks, done: (s, (toks, done)))(
             *decode_steps(model.params, cfg, xc, st, sampling, steps_per_call)),
-            state, collector, clock)
+            state, collector, clock, refill=refill)
     stats = {
         "method": "vanilla",
-        "batch": len(ids),
+        "batch": slots,
+        "prompts": len(ids),
+        "refills": refill.refills if refill else 0,
         "prompt_tokens": [len(p) for p in ids],
         "prefill_s": prefill_s,
         **clock.stats(),

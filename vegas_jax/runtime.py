@@ -180,29 +180,42 @@ def prefill(params, cfg: ModelConfig, xc: ExecConfig, tokens, lens, cache: KVCac
 
 class TokenCollector:
     """Host-side bookkeeping: appends emitted tokens, stops each sequence at EOS or at
-    `max_new_tokens`, and streams what it accepted."""
+    `max_new_tokens`, and streams what it accepted.
 
-    def __init__(self, batch, max_new_tokens, eos_ids, on_tokens=None):
-        self.tokens = [[] for _ in range(batch)]
+    Rows of the device's output are slots; each slot holds one prompt at a time (`owner`).
+    With more prompts than slots, a finished slot is handed the next prompt (`assign`),
+    whose first token (sampled by its prefill) is read with the next output."""
+
+    def __init__(self, batch, max_new_tokens, eos_ids, on_tokens=None, n_prompts=None):
+        self.tokens = [[] for _ in range(n_prompts or batch)]
+        self.owner = np.arange(batch)
         self.done = np.zeros(batch, bool)
         self.max_new = max_new_tokens
         self.eos = set(int(e) for e in eos_ids)
         self.on_tokens = on_tokens
+        self.first: dict[int, Any] = {}  # slot -> its new prompt's first token (device)
+
+    def assign(self, slot: int, prompt: int, first):
+        """Slot `slot` now decodes prompt `prompt`; `first` [1] is its prefill's token."""
+        self.owner[slot] = prompt
+        self.done[slot] = False
+        self.first[slot] = first
 
     def add(self, rows) -> np.ndarray:
-        """rows: per sequence, the tokens emitted this step (sequence of ints)."""
-        new = []
+        """rows: per slot, the tokens emitted this step (sequence of ints)."""
+        first = {s: [int(jax.device_get(t)[0])] for s, t in self.first.items()}
+        self.first = {}
+        new = [[] for _ in self.tokens]
         for i, row in enumerate(rows):
-            got = []
-            for t in row:
+            got = new[self.owner[i]]
+            for t in [*first.get(i, []), *row]:
                 if self.done[i]:
                     break
                 t = int(t)
                 got.append(t)
-                self.tokens[i].append(t)
-                if t in self.eos or len(self.tokens[i]) >= self.max_new:
+                self.tokens[self.owner[i]].append(t)
+                if t in self.eos or len(self.tokens[self.owner[i]]) >= self.max_new:
                     self.done[i] = True
-            new.append(got)
         if self.on_tokens is not None:
             self.on_tokens(new)
         return ~self.done
@@ -210,7 +223,6 @@ class TokenCollector:
     @property
     def n_generated(self) -> int:
         return sum(len(t) for t in self.tokens)
-
 
 class DecodeClock:
     """Decode timing. The first device call compiles, so throughput is measured over the
@@ -287,17 +299,20 @@ def exec_config(model, attn_impl: str | None = None) -> ExecConfig:
     return dataclasses.replace(xc, layers=layers, attn=attn_impl or xc.attn).resolve()
 
 
-def start(model, prompts, max_new_tokens, sampling, extra_len, attn_impl):
+def start(model, prompts, max_new_tokens, sampling, extra_len, attn_impl, max_batch=None):
     """Checks shared by every decoding loop; returns (prompt token ids, an empty cache of
-    the planned length, the execution config)."""
+    the planned length for min(len(prompts), max_batch) slots, the execution config)."""
     if not isinstance(sampling, SamplingParams):
         raise TypeError("sampling must be a SamplingParams")
+    if max_batch is not None and (int(max_batch) != max_batch or max_batch < 1):
+        raise ValueError(f"max_batch must be a whole number >= 1, got {max_batch}")
     ids = encode_prompts(model, prompts)
     lens = [len(p) for p in ids]
+    slots = min(len(ids), max_batch or len(ids))
     max_len = plan_cache_len(model.config, lens, max_new_tokens, extra_len)
     xc = exec_config(model, attn_impl)
-    check_memory(model, len(ids), max_len, max(lens), xc.attn)
-    cache = init_cache(model.config, len(ids), max_len, param_dtype(model.params))
+    check_memory(model, slots, max_len, max(lens), xc.attn)
+    cache = init_cache(model.config, slots, max_len, param_dtype(model.params))
     return ids, cache, xc
 
 
@@ -372,7 +387,47 @@ class Progress:
         return jnp.where(keep, tokens, -1), self.replace(n_gen=n_gen, done=done)
 
 
-def drive(step: Callable, state, collector: TokenCollector, clock: DecodeClock, on_out=None):
+@functools.partial(jax.jit, donate_argnums=0)
+def put_slot(state, one, slot):
+    """`state` with slot `slot` replaced by the one-sequence state `one` (same pytree, batch
+    1; `one`'s own key is not used). Every batch leaf has exactly one axis where the two
+    shapes differ (batch vs 1); leaves without a batch axis keep `state`'s values."""
+    one = one.replace(key=state.key)
+
+    def put(big, small):
+        axes = [a for a, (m, n) in enumerate(zip(big.shape, small.shape)) if m != n]
+        if not axes:  # no batch axis, or a batch of one slot
+            return small.astype(big.dtype)
+        return lax.dynamic_update_slice_in_dim(big, small.astype(big.dtype), slot, axes[0])
+
+    return jax.tree.map(put, state, one)
+
+
+class Refill:
+    """Keeps the batch full: after each output is read, every finished slot gets the next
+    waiting prompt. `make(prompt)` prefills that prompt alone and returns (its one-sequence
+    decoding state, its first token [1]); both stay on the device (no host wait)."""
+
+    def __init__(self, waiting: Sequence[int], make: Callable, collector: TokenCollector):
+        self.waiting = list(waiting)
+        self.make = make
+        self.collector = collector
+        self.refills = 0
+
+    def __call__(self, state):
+        for slot in np.nonzero(self.collector.done)[0]:
+            if not self.waiting:
+                break
+            prompt = self.waiting.pop(0)
+            one, first = self.make(prompt)
+            state = put_slot(state, one, jnp.int32(slot))
+            self.collector.assign(int(slot), prompt, first)
+            self.refills += 1
+        return state
+
+
+def drive(step: Callable, state, collector: TokenCollector, clock: DecodeClock, on_out=None,
+          refill: Refill | None = None):
     """Run `step(state) -> (state, out)` until the collector has every sequence done.
 
     One call stays in flight: call k + 1 is dispatched before call k's output is read, so
@@ -380,7 +435,9 @@ def drive(step: Callable, state, collector: TokenCollector, clock: DecodeClock, 
     device keeps its own stop state (`Progress`): finished sequences emit nothing, and the
     call in flight when everything ends runs on after this returns, its output unread
     (stop detection lags by one call). `out` starts with the emitted tokens [b, T] (-1 =
-    none) and the device's done flags [b]; `on_out` sees each output (host arrays)."""
+    none) and the device's done flags [b]; `on_out` sees each output (host arrays).
+    `refill` hands finished slots the waiting prompts: it rewrites the state the next call
+    starts from (the call in flight still ran the finished sequence, which emits nothing)."""
     state, out = step(state)
     while True:
         t0 = time.perf_counter()
@@ -391,7 +448,10 @@ def drive(step: Callable, state, collector: TokenCollector, clock: DecodeClock, 
         active = collector.add([row[row >= 0] for row in out[0]])
         if on_out is not None:
             on_out(out)
+        if refill is not None:
+            state = refill(state)
+            active = ~collector.done
         clock.tick(dispatch_s=t1 - t0, wait_s=t2 - t1, host_s=time.perf_counter() - t2)
-        if not active.any() or out[1].all():
+        if not active.any() or (refill is None and out[1].all()):
             return state
         out = nxt

@@ -16,14 +16,14 @@ from flax import struct
 from jax import lax
 
 from vegas_jax.attention import AttnPlan, Capture
-from vegas_jax.cache import KVCache
+from vegas_jax.cache import KVCache, init_cache
 from vegas_jax.config import ModelConfig
 from vegas_jax.execution import ExecConfig, model_jit
 from vegas_jax.generate import DecodeState, decode_steps, generate
-from vegas_jax.model import forward
+from vegas_jax.model import forward, param_dtype
 from vegas_jax.runtime import (
-    DecodeClock, GenerationResult, Progress, TokenCollector, decode_text, drive, eos_ids,
-    prefill_prompts, start,
+    DecodeClock, GenerationResult, Progress, Refill, TokenCollector, decode_text, drive,
+    eos_ids, prefill_prompts, start,
 )
 from vegas_jax.sampling import SamplingParams, accept, sample
 from vegas_jax.selection import SCORES, Auto, Method, method_named
@@ -293,14 +293,18 @@ def speculative_generate(
     seed: int = 0,
     on_tokens: Callable[[list[list[int]]], None] | None = None,
     attn_impl: str | None = None,
+    max_batch: int | None = None,
 ) -> GenerationResult:
-    """Self-speculative decoding of a batch; output has the vanilla distribution
+    """Self-speculative decoding of prompts; output has the vanilla distribution
     (greedy: the same tokens). `spec.method="vanilla"` runs plain decoding; "auto" chooses
-    gamma or plain decoding as it goes (`AutoController`)."""
+    gamma or plain decoding as it goes (`AutoController`). `max_batch`: at most this many
+    sequences at once; each finished one's slot is refilled with the next prompt's prefill
+    (results stay in prompt order)."""
     if not isinstance(spec, SpecConfig):
         raise TypeError("spec must be a SpecConfig")
     if not spec.method.speculative:
-        res = generate(model, prompts, max_new_tokens, sampling, seed, on_tokens, attn_impl)
+        res = generate(model, prompts, max_new_tokens, sampling, seed, on_tokens, attn_impl,
+                       max_batch=max_batch)
         steps = max(len(t) for t in res.tokens) - 1  # one token per step after the prefill's
         res.stats.update(tau=1.0, gamma=0, acceptance_by_position=[], rounds=steps)
         return res
@@ -310,15 +314,16 @@ def speculative_generate(
     # Room past the last kept token: a round writes gamma + 1 entries after n, and the last
     # round may overshoot max_new_tokens by gamma; Quest's page refresh reads a page beyond.
     extra = 2 * gamma + 2 + getattr(spec.method, "extra_len", lambda: 0)()
-    ids, cache, xc = start(model, prompts, max_new_tokens, sampling, extra, attn_impl)
-    batch = len(ids)
+    ids, cache, xc = start(model, prompts, max_new_tokens, sampling, extra, attn_impl,
+                           max_batch)
+    batch = cache.batch
     key = jax.random.PRNGKey(seed)
     key, k0 = jax.random.split(key)
     eos = eos_ids(model)
-    collector = TokenCollector(batch, max_new_tokens, eos, on_tokens)
+    collector = TokenCollector(batch, max_new_tokens, eos, on_tokens, n_prompts=len(ids))
 
     t0 = time.perf_counter()
-    logits, cache, scores = prefill_prompts(model.params, cfg, xc, ids, cache,
+    logits, cache, scores = prefill_prompts(model.params, cfg, xc, ids[:batch], cache,
                                             prefill_capture(spec))
     x0, _ = sample(k0, logits, sampling)
     progress = Progress.start(x0, max_new_tokens, eos)
@@ -371,9 +376,18 @@ def speculative_generate(
 
         auto.prepare(make)
 
+    def prefill_one(prompt):  # a waiting prompt, prefilled alone for a free slot
+        one = init_cache(cfg, 1, cache.max_len, param_dtype(model.params))
+        lg, one, sc = prefill_prompts(model.params, cfg, xc, [ids[prompt]], one,
+                                      prefill_capture(spec))
+        first, _ = sample(jax.random.fold_in(k0, prompt), lg, sampling)
+        return init_state(spec, one, first, key, sc, one.lengths + 0,
+                          Progress.start(first, max_new_tokens, eos)), first
+
+    refill = Refill(range(batch, len(ids)), prefill_one, collector) if len(ids) > batch else None
     clock = DecodeClock(collector)
-    if not collector.done.all():
-        drive(step, state, collector, clock, on_out=count)
+    if not collector.done.all() or refill is not None:
+        drive(step, state, collector, clock, on_out=count, refill=refill)
     rounds = max(tally["rounds"], 1)
     if auto is not None:  # rounds of several gammas: the controller counted each position
         conditional = [float(h / t) if t else None  # None: never drafted
@@ -386,6 +400,8 @@ def speculative_generate(
         "gamma": gamma if auto is None else None,
         "sparsity": spec.sparsity,
         "batch": batch,
+        "prompts": len(ids),
+        "refills": refill.refills if refill else 0,
         "prompt_tokens": [len(p) for p in ids],
         "prefill_s": prefill_s,
         **clock.stats(),

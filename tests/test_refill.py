@@ -1,0 +1,85 @@
+"""More prompts than slots (`max_batch`): a finished sequence's slot is refilled with the
+next prompt's prefill. Greedy fp32 output equals running each prompt alone, for vanilla
+and the speculative methods, with sequences ending at EOS in the middle of a round."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tests.tiny import tiny_model
+from vegas_jax import SpecConfig
+from vegas_jax.generate import generate
+from vegas_jax.runtime import put_slot
+from vegas_jax.speculative import speculative_generate
+
+NEW = 24
+LENS = (5, 40, 70, 12, 90)
+
+
+@pytest.fixture(scope="module")
+def setup():
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, 100, size=n).tolist() for n in LENS]
+    free = [generate(tiny_model(), [p], NEW).tokens[0] for p in prompts]
+    # an EOS that ends prompt 1 early (its first token from the 6th on that is new), the
+    # others where it first occurs in theirs, if at all
+    cut = next(i for i in range(5, NEW) if free[1][i] not in free[1][:i])
+    eos = free[1][cut]
+    model = tiny_model(eos=(eos,))
+    alone = [generate(model, [p], NEW).tokens[0] for p in prompts]
+    assert len(alone[1]) == cut + 1 and alone[1][-1] == eos
+    return model, prompts, alone
+
+
+def test_vanilla_refilled_slots_equal_each_prompt_alone(setup):
+    model, prompts, alone = setup
+    res = generate(model, prompts, NEW, max_batch=2)
+    assert res.tokens == alone
+    assert res.stats["batch"] == 2 and res.stats["refills"] == len(prompts) - 2
+
+
+@pytest.mark.parametrize("method", ["vegas", "stream", "quest"])
+def test_speculative_refilled_slots_equal_each_prompt_alone(setup, method):
+    model, prompts, alone = setup
+    seen = []
+    res = speculative_generate(model, prompts, NEW,
+                               SpecConfig(method=method, gamma=3, min_tokens=8),
+                               max_batch=2, on_tokens=seen.append)
+    assert res.tokens == alone
+    assert res.stats["refills"] == len(prompts) - 2
+    # streamed per prompt, in order
+    streamed = [[t for step in seen for t in step[i]] for i in range(len(prompts))]
+    assert streamed == alone
+
+
+def test_one_slot_and_more_slots_than_prompts(setup):
+    model, prompts, alone = setup
+    one = speculative_generate(model, prompts[:3], NEW, SpecConfig(gamma=3, min_tokens=8),
+                               max_batch=1)
+    assert one.tokens == alone[:3] and one.stats["batch"] == 1
+    wide = generate(model, prompts[:2], NEW, max_batch=8)
+    assert wide.tokens == alone[:2] and wide.stats["batch"] == 2
+    assert wide.stats["refills"] == 0
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5])
+def test_max_batch_must_be_a_positive_whole_number(setup, bad):
+    model, prompts, _ = setup
+    with pytest.raises(ValueError, match="max_batch"):
+        generate(model, prompts, 4, max_batch=bad)
+
+
+def test_put_slot_replaces_one_row_of_every_batch_leaf():
+    from flax import struct
+
+    @struct.dataclass
+    class S:
+        cache: jnp.ndarray  # [L, b, s]
+        tok: jnp.ndarray  # [b]
+        key: jnp.ndarray  # no batch axis
+
+    big = S(jnp.zeros((2, 4, 3)), jnp.zeros((4,), jnp.int32), jnp.arange(2))
+    one = S(jnp.ones((2, 1, 3)), jnp.full((1,), 7, jnp.int32), jnp.arange(2) + 5)
+    out = put_slot(big, one, jnp.int32(2))
+    assert out.cache[:, 2].tolist() == [[1.0] * 3] * 2 and float(out.cache.sum()) == 6.0
+    assert out.tok.tolist() == [0, 0, 7, 0] and out.key.tolist() == [0, 1]
