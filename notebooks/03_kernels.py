@@ -263,7 +263,10 @@ print(f"per-KV-head indices: relative error {e:.1e}")
 # On SmolLM2-135M with a real ~500-token prompt it compares, against the XLA path:
 # a verify pass of 7 tokens with Collect-2-Query capture (logits and the selection scores
 # of all 30 layers), then a sparse draft step reading 7 % of the context chosen from those
-# scores. Last, the draft's next-token distribution is compared with a full-attention step.
+# scores (with the default `ExecConfig(draft="fused")` the draft step's whole attention
+# block — Q/K norm, RoPE, the K/V write and the sparse attention — is one kernel,
+# `sparse_step`). Last, the draft's next-token distribution is compared with a
+# full-attention step.
 
 # %%
 import contextlib
@@ -283,13 +286,14 @@ def kernels_runnable_here():
     if ON_GPU:
         yield
         return
-    saved = attn_mod.verify_attention, attn_mod.sparse_attention
+    saved = attn_mod.verify_attention, attn_mod.sparse_attention, attn_mod.sparse_step
     attn_mod.verify_attention = functools.partial(saved[0], interpret=True)
     attn_mod.sparse_attention = functools.partial(saved[1], interpret=True)
+    attn_mod.sparse_step = functools.partial(saved[2], interpret=True)
     try:
         yield
     finally:
-        attn_mod.verify_attention, attn_mod.sparse_attention = saved
+        attn_mod.verify_attention, attn_mod.sparse_attention, attn_mod.sparse_step = saved
 
 
 model = load_model(dtype="bfloat16" if ON_GPU else "float32")

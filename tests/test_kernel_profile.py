@@ -1,13 +1,22 @@
 """benchmarks/kernel_profile.py on the CPU: it runs the phases asked for end to end and writes
-HLO (the kernel table itself needs a GPU trace; on the CPU it is empty)."""
+HLO (the kernel table itself needs a GPU trace; on the CPU it is empty).
+
+The model is a registered name made for the test: SmolLM2-135M's architecture at tiny sizes
+(tests/tiny.py), so the script's path (load_model by name with random weights, every phase
+compiled, traced and timed, the HLO written) is the same while the CPU spends seconds, not
+most of a minute, running 135M-parameter bf16 steps whose timings mean nothing here."""
 
 import json
 
 from benchmarks import kernel_profile
+from tests.tiny import tiny_config
+from vegas_jax import config
 
 
-def test_runs_and_writes_hlo(tmp_path, capsys):
-    rc = kernel_profile.main(["--model", "smollm2-135m", "--batch", "1", "--context", "200",
+def test_runs_and_writes_hlo(tmp_path, capsys, monkeypatch):
+    cfg = tiny_config("llama", vocab=256, layers=2)
+    monkeypatch.setitem(config.REGISTRY, cfg.name, cfg)
+    rc = kernel_profile.main(["--model", cfg.name, "--batch", "1", "--context", "200",
                               "--gamma", "2", "--attn-impl", "xla", "--hlo", str(tmp_path),
                               "--phases", "decode,draft,round",
                               "--json", str(tmp_path / "out.json")])

@@ -8,6 +8,12 @@ interpreter running the tests, with notebooks/ as its working directory and the 
 on PYTHONPATH (so the install cell finds vegas_jax importable and installs nothing). Any
 cell error fails the test.
 
+The slow test runs each notebook at smaller sizes than its committed run (shorter prompts,
+fewer new tokens: QUICK below), papermill-style: each notebook keeps its sizes in one
+parameters cell (its source starts with "# Parameters"), and the test inserts a cell of
+overrides right after it. Every cell of the notebook still runs, with all its checks
+(e.g. speculative output == plain decoding); only the sizes shrink.
+
 To refresh the committed outputs after editing a notebook (on a CPU, a few minutes):
 
     python tests/test_notebooks.py                      # all notebooks, in place
@@ -17,6 +23,7 @@ To refresh the committed outputs after editing a notebook (on a CPU, a few minut
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -30,9 +37,17 @@ ROOT = Path(__file__).resolve().parent.parent
 NB_DIR = ROOT / "notebooks"
 NOTEBOOKS = ["01_quickstart.ipynb", "02_why_vegas_works.ipynb", "03_kernels.ipynb"]
 
-# Each notebook takes ~1-3 min on a 2-core CPU; this cap only catches gross regressions
-# (a shared, loaded CI machine can be 2-3x slower).
+# Each notebook takes ~1-3 min on a 2-core CPU at its own sizes; this cap only catches
+# gross regressions (a shared, loaded CI machine can be 2-3x slower).
 MAX_SECONDS = 600
+# The slow test's sizes (CI time), in place of the parameters cell's values. The prompts
+# stay longer than the default draft budget floor (256 tokens), so drafts are sparse.
+PARAMS_MARKER = "# Parameters"
+QUICK = {
+    "01_quickstart.ipynb": dict(PROMPT_TOKENS=500, N_NEW=24),
+    "02_why_vegas_works.ipynb": dict(PROMPT_TOKENS=400, N_GEN=28),
+    "03_kernels.ipynb": {},
+}
 # Committed outputs stay readable on a repository page: no long text dumps.
 MAX_TEXT_CHARS = 5000
 
@@ -46,11 +61,27 @@ def _kernel_env() -> dict:
     return env
 
 
-def execute(name: str):
-    """Run notebook `name` top to bottom; returns (executed notebook, seconds). Raises
-    CellExecutionError on the first failing cell. No per-cell timestamps are recorded, so a
-    re-run changes only what the cells print and draw."""
+def inject_parameters(nb, params: dict):
+    """Insert a cell assigning `params` right after the notebook's parameters cell (which
+    must assign each of them), so they replace its values for every later cell."""
+    i = next(i for i, c in enumerate(nb.cells)
+             if c.cell_type == "code" and c.source.startswith(PARAMS_MARKER))
+    for key in params:
+        assert re.search(rf"^{key} = ", nb.cells[i].source, re.M), (
+            f"{key} is not a parameter of this notebook")
+    source = "# injected by tests/test_notebooks.py\n" + "\n".join(
+        f"{k} = {v!r}" for k, v in params.items())
+    nb.cells.insert(i + 1, nbformat.v4.new_code_cell(source))
+
+
+def execute(name: str, params: dict | None = None):
+    """Run notebook `name` top to bottom, with `params` (if any) in place of its parameters
+    cell's values; returns (executed notebook, seconds). Raises CellExecutionError on the
+    first failing cell. No per-cell timestamps are recorded, so a re-run changes only what
+    the cells print and draw."""
     nb = nbformat.read(str(NB_DIR / name), as_version=4)
+    if params:
+        inject_parameters(nb, params)
     client = nbclient.NotebookClient(
         nb, kernel_name="python3", timeout=MAX_SECONDS, allow_errors=False,
         record_timing=False, resources={"metadata": {"path": str(NB_DIR)}},
@@ -91,6 +122,11 @@ def test_committed_notebook_has_outputs(name):
     # the install cell found vegas_jax in the checkout it ran from
     install = next(c for c in cells if "def pip_install" in c.source)
     assert "vegas_jax from" in "".join(_text(o) for o in install.outputs)
+    # the slow test's sizes replace parameters the notebook has
+    params = [c for c in cells if c.source.startswith(PARAMS_MARKER)]
+    assert len(params) == (1 if QUICK[name] else 0), f"{name}: one parameters cell"
+    for key in QUICK[name]:
+        assert re.search(rf"^{key} = ", params[0].source, re.M), f"{name}: no {key} parameter"
 
 
 @pytest.mark.parametrize("name", NOTEBOOKS)
@@ -109,7 +145,7 @@ def test_notebook_pair_in_sync(name):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", NOTEBOOKS)
 def test_notebook_runs(name):
-    nb, seconds = execute(name)
+    nb, seconds = execute(name, QUICK[name])
     print(f"{name}: {seconds:.0f} s")
     assert seconds < MAX_SECONDS, f"{name} took {seconds:.0f} s"
     # the install cell must not have installed anything: vegas_jax came from this checkout
