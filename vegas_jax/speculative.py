@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import time
 from typing import Any, Callable
 
@@ -138,8 +139,11 @@ def spec_round(params, cfg: ModelConfig, xc: ExecConfig, state: SpecState, spec:
     return new, emitted, jnp.copy(progress.done), n_acc, active
 
 
+@functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("cache",))
 def init_state(spec: SpecConfig, cache: KVCache, x0, key, scores, lens,
                progress: Progress) -> SpecState:
+    """The first state after a prefill. Jitted: run op by op, the selection's top-k took
+    ~75 ms a call (CPU), paid again for every refilled slot."""
     sel = spec.method.init(spec, cache, scores, lens)
     return SpecState(cache=cache, x0=x0, key=key, sel=sel, progress=progress)
 
