@@ -58,6 +58,7 @@ def step_cases():
     yield (4, 64, 3, 3, 64, 7808, 547, 13, False, 10**6, jnp.bfloat16)  # split + combine
     yield (4, 64, 3, 3, 64, 7808, 16, 547, False, 128, jnp.bfloat16)  # stream's window
     yield (2, 4, 8, 4, 128, 8192, 600, 13, True, 128, jnp.float32)  # Qwen3, split
+    yield (2, 16, 8, 4, 128, 8192, 600, 13, True, 128, jnp.bfloat16)  # Qwen3, one program
     yield (2, 1, 3, 3, 64, 4099, 300, 13, False, 128, jnp.bfloat16)  # B 1
 
 

@@ -104,6 +104,9 @@ class StepBlocks:
     split: SparseBlocks = SparseBlocks()
     whole: SparseBlocks = SparseBlocks(block_k=128, num_stages=3)
     whole_from: int = 128
+    # head dims above 64: the split path's tiles, the ones measured at Qwen3-8B shapes (the
+    # 128-row, 3-stage tiles were measured at head dim 64 only)
+    whole_wide: SparseBlocks = SparseBlocks()
 
 
 STEP_BLOCKS = StepBlocks()  # read at call time (benchmarks.tune_sparse_step swaps it)
@@ -386,7 +389,7 @@ def sparse_step(qkv, norms, cos, sin, k_cache, v_cache, layer, idx, count, tail_
     n_idx = idx4.shape[-1]
     blocks = blocks or STEP_BLOCKS
     normalize = b * kh >= blocks.whole_from
-    blocks = blocks.whole if normalize else blocks.split
+    blocks = (blocks.split if not normalize else blocks.whole if d <= 64 else blocks.whole_wide)
     bk, chunk, n_sel, n_prog = _chunking(b, kh, n_idx, tail_len, blocks, split=not normalize)
     rows = pow2_at_least(g)
     half = d // 2

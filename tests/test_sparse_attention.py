@@ -10,6 +10,7 @@ import pytest
 from pallas_kernels.sparse_attention import (
     SparseBlocks, StepBlocks, sparse_attention, sparse_attention_reference,
 )
+from tests.cuda import lower_cuda
 
 # (L, b, kh, g, d, s, K, tail_len, per_head, dtype, layer axis on idx)
 CASES = [
@@ -66,18 +67,12 @@ def test_lowers_for_cuda(per_head):
     L, b, kh, g, d, s, K = 2, 2, 8, 4, 128, 4096, 300
     sd = jax.ShapeDtypeStruct
     ish = (b, kh, K) if per_head else (b, K)
-    try:
-        txt = jax.jit(functools.partial(sparse_attention, tail_len=16)).trace(
-            sd((b, 1, kh, g, d), jnp.bfloat16), sd((L, b, kh, s, d), jnp.bfloat16),
-            sd((L, b, kh, s, d), jnp.bfloat16), sd((), jnp.int32), sd(ish, jnp.int32),
-            sd(ish[:-1], jnp.int32), sd((b,), jnp.int32), sd((b,), jnp.int32),
-        ).lower(lowering_platforms=("cuda",)).as_text()
-    except Exception as e:  # pragma: no cover - depends on the jaxlib build
-        if "platform" in str(e).lower() and "cuda" in str(e).lower():
-            pytest.skip(f"this jaxlib cannot lower for CUDA: {e}")
-        raise
+    txt = lower_cuda(
+        functools.partial(sparse_attention, tail_len=16),
+        sd((b, 1, kh, g, d), jnp.bfloat16), sd((L, b, kh, s, d), jnp.bfloat16),
+        sd((L, b, kh, s, d), jnp.bfloat16), sd((), jnp.int32), sd(ish, jnp.int32),
+        sd(ish[:-1], jnp.int32), sd((b,), jnp.int32), sd((b,), jnp.int32))
     assert "xla.gpu.triton" in txt
-
 
 # (b, kh, g, d, s, K, tail_len, qk_norm, dtype, unsplit): the whole draft attention block
 STEP_CASES = [
@@ -135,15 +130,9 @@ def test_sparse_step_lowers_for_cuda():
     for unsplit in (1, 10**6):
         fn = functools.partial(sparse_step, tail_len=13, num_heads=kh * g, qk_norm=True,
                                blocks=StepBlocks(whole_from=unsplit))
-        try:
-            txt = jax.jit(fn).trace(
-                sd((b, 1, (kh * g + 2 * kh) * d), bf), sd((2, d), bf), sd((b, 1, d), jnp.float32),
-                sd((b, 1, d), jnp.float32), sd((L, b, kh, s, d), bf), sd((L, b, kh, s, d), bf),
-                sd((), jnp.int32), sd((b, K), jnp.int32), sd((b,), jnp.int32),
-                sd((b,), jnp.int32), sd((b,), jnp.int32),
-            ).lower(lowering_platforms=("cuda",)).as_text()
-        except Exception as e:  # pragma: no cover - depends on the jaxlib build
-            if "platform" in str(e).lower() and "cuda" in str(e).lower():
-                pytest.skip(f"this jaxlib cannot lower for CUDA: {e}")
-            raise
+        txt = lower_cuda(
+            fn, sd((b, 1, (kh * g + 2 * kh) * d), bf), sd((2, d), bf), sd((b, 1, d), jnp.float32),
+            sd((b, 1, d), jnp.float32), sd((L, b, kh, s, d), bf), sd((L, b, kh, s, d), bf),
+            sd((), jnp.int32), sd((b, K), jnp.int32), sd((b,), jnp.int32),
+            sd((b,), jnp.int32), sd((b,), jnp.int32))
         assert "xla.gpu.triton" in txt

@@ -9,6 +9,7 @@ import pytest
 
 from pallas_kernels.verify_attention import (
     VerifyBlocks, _verify_call, verify_attention, verify_attention_reference)
+from tests.cuda import lower_cuda
 
 
 def _inputs(seed, L, b, kh, g, d, s, t, dtype, base):
@@ -133,20 +134,11 @@ def test_every_output_written(mode):
             assert np.isfinite(buf[bi, :, : int(q_pos[bi, :nu].max()) + 1]).all()
 
 
-def _lower_cuda(fn, *args):
-    try:
-        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    except Exception as e:  # pragma: no cover - depends on the jaxlib build
-        if "platform" in str(e).lower() and "cuda" in str(e).lower():
-            pytest.skip(f"this jaxlib cannot lower for CUDA: {e}")
-        raise
-
-
 @pytest.mark.parametrize("t,capture", [(1, "none"), (7, "mean"), (9, "rows"), (300, "mean")])
 def test_lowers_for_cuda(t, capture):
     L, b, kh, g, d, s = 2, 2, 8, 4, 128, 4096
     sd = jax.ShapeDtypeStruct
-    txt = _lower_cuda(
+    txt = lower_cuda(
         functools.partial(verify_attention, capture=capture, capture_rows=(0, t - 1)),
         sd((b, t, kh, g, d), jnp.bfloat16), sd((L, b, kh, s, d), jnp.bfloat16),
         sd((L, b, kh, s, d), jnp.bfloat16), sd((), jnp.int32), sd((b, t), jnp.int32))

@@ -15,11 +15,14 @@ from typing import Any
 
 import jax
 from flax import struct
+from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from pallas_kernels.sparse_attention import (
     sparse_attention, sparse_attention_reference, sparse_step,
 )
 from pallas_kernels.verify_attention import verify_attention, verify_attention_reference
+from vegas_jax.sharding import AXIS, mesh
 
 SCORES = ("weight", "logit")
 
@@ -64,6 +67,20 @@ class AttnPlan:
 CAUSAL = AttnPlan()
 
 
+# Tensor parallel: a Pallas kernel runs on each device's KV heads inside `shard_map` (XLA
+# cannot partition a custom call); these specs split the KV-head axis of each argument.
+HEADS5 = P(None, None, AXIS, None, None)  # q [b, t, k, g, d], caches [L, b, k, s, d]
+REP = P()
+
+
+def per_device(fn, xc, in_specs, out_specs):
+    """`fn` on each device's shard (tp > 1, Pallas path), else `fn` itself."""
+    if xc.tp == 1 or xc.attn != "pallas":
+        return fn
+    return jax.shard_map(fn, mesh=mesh(xc.tp), in_specs=in_specs, out_specs=out_specs,
+                         check_vma=False)
+
+
 def attention(plan: AttnPlan, xc, q, k_cache, v_cache, layer, positions):
     """q [b, t, k, g, d]; cache [L, b, k, s, d]; positions [b, t]. `layer` indexes the
     cache (and the plan's per-layer inputs). Returns (out [b, t, k, g, d], scores | None)."""
@@ -72,15 +89,33 @@ def attention(plan: AttnPlan, xc, q, k_cache, v_cache, layer, positions):
         kw = {} if cap is None else dict(capture=cap.reduce, capture_rows=cap.rows,
                                          score=cap.score)
         fn = verify_attention if xc.attn == "pallas" else verify_attention_reference
-        return fn(q, k_cache, v_cache, layer, positions, **kw)
+
+        def local(q, k_cache, v_cache, layer, positions):
+            out, scores = fn(q, k_cache, v_cache, layer, positions, **kw)
+            if scores is not None and xc.tp > 1 and xc.attn == "pallas":
+                scores = lax.pmean(scores, AXIS)  # every device holds as many heads
+            return out, scores
+
+        return per_device(local, xc, (HEADS5, HEADS5, HEADS5, REP, REP),
+                          (HEADS5, None if cap is None else REP))(
+            q, k_cache, v_cache, layer, positions)
     if plan.mode == "sparse":
         idx, count, at = plan.idx, plan.count, (layer if plan.layered else 0)
         if plan.picker is not None:
             idx, count = plan.picker.pick(q, plan.picker_inputs, layer, plan.tail_start)
             idx, count, at = idx[None], count[None], 0
         fn = sparse_attention if xc.attn == "pallas" else sparse_attention_reference
-        out = fn(q, k_cache, v_cache, layer, idx, count, plan.tail_start, positions[:, 0],
-                 tail_len=plan.tail_len, idx_layer=at)
+        per_head = idx.ndim == 4  # [Li, b, k, K]: split with the heads
+        ispec = P(None, None, AXIS, None) if per_head else REP
+        cspec = P(None, None, AXIS) if per_head else REP
+
+        def local(q, k_cache, v_cache, layer, idx, count, tail_start, q_pos, at):
+            return fn(q, k_cache, v_cache, layer, idx, count, tail_start, q_pos,
+                      tail_len=plan.tail_len, idx_layer=at)
+
+        out = per_device(local, xc, (HEADS5, HEADS5, HEADS5, REP, ispec, cspec, REP, REP, REP),
+                         HEADS5)(q, k_cache, v_cache, layer, idx, count, plan.tail_start,
+                                 positions[:, 0], at)
         return out, None
     raise ValueError(f"unknown attention mode {plan.mode!r}")
 
@@ -93,10 +128,21 @@ def fused_draft(plan: AttnPlan, xc) -> bool:
             and xc.draft == "fused")
 
 
-def sparse_block(plan: AttnPlan, cfg, qkv, norms, cos, sin, k_cache, v_cache, layer, positions):
-    """The fused draft attention block: qkv [b, 1, (n + 2k) * d] raw projection, norms [2, d],
-    cos/sin [b, 1, d]. Returns (out [b, 1, k, g, d], k_cache, v_cache)."""
-    return sparse_step(qkv, norms, cos, sin, k_cache, v_cache, layer, plan.idx, plan.count,
-                       plan.tail_start, positions[:, 0], tail_len=plan.tail_len,
-                       num_heads=cfg.num_heads, qk_norm=cfg.qk_norm, eps=cfg.rms_norm_eps,
-                       idx_layer=layer if plan.layered else 0)
+def sparse_block(plan: AttnPlan, xc, cfg, qkv, norms, cos, sin, k_cache, v_cache, layer,
+                 positions):
+    """The fused draft attention block: qkv [b, 1, (n + 2k) * d] raw projection (per shard
+    [q_i | k_i | v_i]), norms [2, d], cos/sin [b, 1, d]. Returns (out [b, 1, k, g, d],
+    k_cache, v_cache)."""
+
+    def local(qkv, norms, cos, sin, k_cache, v_cache, layer, idx, count, tail_start, q_pos,
+              at):
+        return sparse_step(qkv, norms, cos, sin, k_cache, v_cache, layer, idx, count,
+                           tail_start, q_pos, tail_len=plan.tail_len,
+                           num_heads=cfg.num_heads // xc.tp, qk_norm=cfg.qk_norm,
+                           eps=cfg.rms_norm_eps, idx_layer=at)
+
+    cols = P(None, None, AXIS)
+    return per_device(local, xc, (cols, REP, REP, REP, HEADS5, HEADS5, REP, REP, REP, REP,
+                                  REP, REP), (HEADS5, HEADS5, HEADS5))(
+        qkv, norms, cos, sin, k_cache, v_cache, layer, plan.idx, plan.count, plan.tail_start,
+        positions[:, 0], layer if plan.layered else 0)

@@ -83,7 +83,10 @@ class Phases:
         from vegas_jax import speculative as S
         from vegas_jax.runtime import Progress
 
+        from vegas_jax.sharding import place_cache
+
         cfg, self.params = model.config, model.params
+        cache = place_cache(cache, xc.tp)
         b = cache.batch
         self.n = cache.lengths + 0  # own buffer: the cache (with its lengths) is donated
         if scores is None:

@@ -34,6 +34,7 @@ class ExecConfig:
     draft: with the Pallas kernels, a sparse draft step's attention block (Q/K norm, RoPE,
       K/V write, sparse attention, combine) runs as one "fused" kernel or "split" into
       XLA ops around the sparse-attention kernel; no effect on the XLA path.
+    tp: tensor-parallel degree: the model split across this many devices (`sharding`).
     "auto" resolves by backend: on the GPU cuBLAS and a scan (whose weight slices cuBLAS
     reads in place through XLA's dynamic-slice fusion); elsewhere the XLA path and a scan;
     fused drafts wherever the Pallas kernels run."""
@@ -42,12 +43,15 @@ class ExecConfig:
     gemm: str = "auto"
     layers: str = "auto"
     draft: str = "auto"
+    tp: int = 1
 
     def __post_init__(self):
         for name, allowed in (("attn", ATTN), ("gemm", GEMM), ("layers", LAYERS),
                               ("draft", DRAFT)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if int(self.tp) != self.tp or self.tp < 1:
+            raise ValueError(f"tp must be a whole number >= 1, got {self.tp}")
 
     def resolve(self, backend: str | None = None) -> "ExecConfig":
         """Concrete choices on `backend` (default: JAX's)."""
@@ -57,6 +61,7 @@ class ExecConfig:
             gemm=self.gemm if self.gemm != "auto" else ("cublas" if gpu else "triton"),
             layers=self.layers if self.layers != "auto" else "scan",
             draft=self.draft if self.draft != "auto" else "fused",
+            tp=self.tp,
         )
 
     @property
@@ -106,6 +111,9 @@ def add_exec_args(p) -> None:
     p.add_argument("--layers", default="auto", choices=LAYERS,
                    help="layer loop: scan over stacked weights (auto; compiles fast) or "
                    "unrolled over per-layer weight buffers (compiles ~20x slower)")
+    p.add_argument("--tp", type=int, default=1, metavar="N",
+                   help="tensor parallel over N devices (attention heads and MLP width split; "
+                   "N must divide the model's KV heads)")
     p.add_argument("--draft-attn", default="auto", choices=DRAFT,
                    help="Pallas path only: a draft step's attention block (norm, RoPE, K/V "
                    "write, sparse attention) as one fused kernel (auto) or split into XLA "
@@ -114,4 +122,4 @@ def add_exec_args(p) -> None:
 
 def exec_from_args(args) -> ExecConfig:
     return ExecConfig(attn=args.attn_impl or "auto", gemm=args.gemm, layers=args.layers,
-                      draft=args.draft_attn)
+                      draft=args.draft_attn, tp=args.tp)

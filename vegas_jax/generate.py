@@ -11,13 +11,13 @@ from flax import struct
 from jax import lax
 
 from vegas_jax.attention import CAUSAL
-from vegas_jax.cache import KVCache, init_cache
+from vegas_jax.cache import KVCache
 from vegas_jax.config import ModelConfig
 from vegas_jax.execution import ExecConfig, model_jit
-from vegas_jax.model import forward, param_dtype
+from vegas_jax.model import forward
 from vegas_jax.runtime import (
     DecodeClock, GenerationResult, Progress, Refill, TokenCollector, decode_text, drive, eos_ids,
-    prefill_prompts, start,
+    prefill_alone, prefill_prompts, start,
 )
 from vegas_jax.sampling import SamplingParams, sample
 
@@ -92,9 +92,8 @@ def generate(
     prefill_s = time.perf_counter() - t0
 
     def prefill_one(prompt):  # a waiting prompt, prefilled alone for a free slot
-        one = init_cache(cfg, 1, cache.max_len, param_dtype(model.params))
-        lg, one, _ = prefill_prompts(model.params, cfg, xc, [ids[prompt]], one, None)
-        first, _ = sample(jax.random.fold_in(k0, prompt), lg, sampling)
+        one, first, _ = prefill_alone(model, xc, ids[prompt], cache.max_len, None,
+                                      jax.random.fold_in(k0, prompt), sampling)
         return DecodeState(one, first, key, Progress.start(first, max_new_tokens, eos)), first
 
     refill = Refill(range(slots, len(ids)), prefill_one, collector) if len(ids) > slots else None

@@ -169,12 +169,17 @@ def load_model(
       enough on its own. Neither: the embedded default smollm2-135m.
     random_init: full-size random weights (made on device) instead of the checkpoint's.
     dtype: bfloat16 or float32 (also "bf16", "fp32", ...).
-    exec_config: how the model runs (attention backend, GEMM emitter, layer loop); "auto"
-      fields are resolved here for this model and backend.
+    exec_config: how the model runs (attention backend, GEMM emitter, layer loop, tensor
+      parallel degree); "auto" fields are resolved here for this model and backend. With
+      tp > 1 the weights are split across the first tp devices (`vegas_jax.sharding`).
     """
+    from vegas_jax.sharding import check_tp, place_params
+
     m = _load(name, checkpoint, random_init, dtype, seed)
     xc = exec_config.resolve()
-    return m._replace(params=layout_params(m.params, xc), exec_config=xc)
+    check_tp(m.config, xc.tp)
+    return m._replace(params=place_params(layout_params(m.params, xc), m.config, xc.tp),
+                      exec_config=xc)
 
 
 def _load(name, checkpoint, random_init, dtype, seed) -> Model:

@@ -108,13 +108,15 @@ def _layer(cfg: ModelConfig, xc: ExecConfig, plan: AttnPlan, cos, sin, positions
         h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
         qkv = mm("bth,hn->btn", h, lp.w_qkv)  # [b, t, (n + 2k)*d]
         if fused:
-            o, k_cache, v_cache = sparse_block(plan, cfg, qkv, norms(lp), cos, sin, k_cache,
-                                               v_cache, li, positions)
+            o, k_cache, v_cache = sparse_block(plan, xc, cfg, qkv, norms(lp), cos, sin,
+                                               k_cache, v_cache, li, positions)
             return finish(x, o, lp, k_cache, v_cache, None)
-        nq, nk = k_heads * g * d, k_heads * d
-        q = qkv[..., :nq].reshape(b, t, k_heads * g, d)
-        k = qkv[..., nq:nq + nk].reshape(b, t, k_heads, d)
-        v = qkv[..., nq + nk:].reshape(b, t, k_heads, d)
+        # columns per shard: [q_i | k_i | v_i] for each of the tp shards (`sharding`)
+        per = qkv.reshape(b, t, xc.tp, -1)  # [b, t, tp, (n + 2k)*d / tp]
+        nq, nk = k_heads * g * d // xc.tp, k_heads * d // xc.tp
+        q = per[..., :nq].reshape(b, t, k_heads * g, d)
+        k = per[..., nq:nq + nk].reshape(b, t, k_heads, d)
+        v = per[..., nq + nk:].reshape(b, t, k_heads, d)
         if cfg.qk_norm:
             q = rms_norm(q, lp.q_norm, cfg.rms_norm_eps)
             k = rms_norm(k, lp.k_norm, cfg.rms_norm_eps)
@@ -129,8 +131,11 @@ def _layer(cfg: ModelConfig, xc: ExecConfig, plan: AttnPlan, cos, sin, positions
         b, t, _ = x.shape
         x = x + mm("btn,nh->bth", o.reshape(b, t, -1).astype(x.dtype), lp.wo)
         h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
-        gate_up = mm("bth,hf->btf", h, lp.w_gate_up)  # [b, t, 2f]
-        gate, up = gate_up[..., :cfg.intermediate_size], gate_up[..., cfg.intermediate_size:]
+        gate_up = mm("bth,hf->btf", h, lp.w_gate_up)  # [b, t, 2f], per shard [gate_i | up_i]
+        gate_up = gate_up.reshape(b, t, xc.tp, -1)
+        f = cfg.intermediate_size // xc.tp
+        gate = gate_up[..., :f].reshape(b, t, -1)  # [b, t, f]
+        up = gate_up[..., f:].reshape(b, t, -1)
         x = x + mm("btf,fh->bth", jax.nn.silu(gate) * up, lp.w_down)
         return (x, k_cache, v_cache), scores
 

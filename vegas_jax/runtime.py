@@ -20,7 +20,8 @@ from vegas_jax.cache import KVCache, cache_bytes, init_cache
 from vegas_jax.config import ModelConfig
 from vegas_jax.execution import ExecConfig, model_jit
 from vegas_jax.model import forward, param_bytes, param_dtype
-from vegas_jax.sampling import SamplingParams
+from vegas_jax.sampling import SamplingParams, sample
+from vegas_jax.sharding import place_cache
 
 PROMPT_BUCKET = 64  # prompts are padded to a multiple of this: fewer compilations
 LEN_BUCKET = 128  # cache lengths are rounded up to this
@@ -312,7 +313,8 @@ def start(model, prompts, max_new_tokens, sampling, extra_len, attn_impl, max_ba
     max_len = plan_cache_len(model.config, lens, max_new_tokens, extra_len)
     xc = exec_config(model, attn_impl)
     check_memory(model, slots, max_len, max(lens), xc.attn)
-    cache = init_cache(model.config, slots, max_len, param_dtype(model.params))
+    cache = place_cache(init_cache(model.config, slots, max_len, param_dtype(model.params)),
+                        xc.tp)
     return ids, cache, xc
 
 
@@ -401,6 +403,17 @@ def put_slot(state, one, slot):
         return lax.dynamic_update_slice_in_dim(big, small.astype(big.dtype), slot, axes[0])
 
     return jax.tree.map(put, state, one)
+
+
+def prefill_alone(model, xc: ExecConfig, ids: list[int], max_len: int,
+                  capture: Capture | None, key, sampling: SamplingParams):
+    """One prompt prefilled by itself, for a refilled slot: (its one-sequence cache of
+    `max_len` positions, its first token [1], its capture scores or None)."""
+    cfg = model.config
+    one = place_cache(init_cache(cfg, 1, max_len, param_dtype(model.params)), xc.tp)
+    logits, one, scores = prefill_prompts(model.params, cfg, xc, [ids], one, capture)
+    first, _ = sample(key, logits, sampling)
+    return one, first, scores
 
 
 class Refill:

@@ -17,14 +17,14 @@ from flax import struct
 from jax import lax
 
 from vegas_jax.attention import AttnPlan, Capture
-from vegas_jax.cache import KVCache, init_cache
+from vegas_jax.cache import KVCache
 from vegas_jax.config import ModelConfig
 from vegas_jax.execution import ExecConfig, model_jit
 from vegas_jax.generate import DecodeState, decode_steps, generate
-from vegas_jax.model import forward, param_dtype
+from vegas_jax.model import forward
 from vegas_jax.runtime import (
     DecodeClock, GenerationResult, Progress, Refill, TokenCollector, decode_text, drive,
-    eos_ids, prefill_prompts, start,
+    eos_ids, prefill_alone, prefill_prompts, start,
 )
 from vegas_jax.sampling import SamplingParams, accept, sample
 from vegas_jax.selection import SCORES, Auto, Method, method_named
@@ -381,10 +381,9 @@ def speculative_generate(
         auto.prepare(make)
 
     def prefill_one(prompt):  # a waiting prompt, prefilled alone for a free slot
-        one = init_cache(cfg, 1, cache.max_len, param_dtype(model.params))
-        lg, one, sc = prefill_prompts(model.params, cfg, xc, [ids[prompt]], one,
-                                      prefill_capture(spec))
-        first, _ = sample(jax.random.fold_in(k0, prompt), lg, sampling)
+        one, first, sc = prefill_alone(model, xc, ids[prompt], cache.max_len,
+                                       prefill_capture(spec), jax.random.fold_in(k0, prompt),
+                                       sampling)
         return init_state(spec, one, first, key, sc, one.lengths + 0,
                           Progress.start(first, max_new_tokens, eos)), first
 
