@@ -358,7 +358,8 @@ def speculative_generate(
 
     if auto is not None:
         def make(config):  # compiled ahead; called with the dynamic arguments only
-            shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state)
+            shapes = jax.tree.map(  # with the shardings: under tp the state is split
+                lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state)
             if config == 0:  # plain decoding on the same cache; the selection goes stale
                 ds = DecodeState(shapes.cache, shapes.x0, shapes.key, shapes.progress)
                 run = decode_steps.lower(model.params, cfg, xc, ds, sampling,
