@@ -196,3 +196,21 @@ def test_sparse_target_accept_matches_dense():
         assert n1.tolist() == n2.tolist()
         assert bool(jnp.all(jnp.asarray(p_dense)[jnp.arange(b), n1, x1] > 0))  # in support
     assert 0 < int(n1.sum()) < b * g
+
+
+def test_bonus_token_follows_the_target_after_the_last_draft():
+    """Every draft kept (q(d) < p(d)): the bonus token must follow the target's law at the
+    next position exactly, not a residual against the last draft's q (which overlaps it
+    here on purpose, so that mistake would move most of the mass)."""
+    b = 20000
+    p0 = np.array([0.10, 0.60, 0.10, 0.10, 0.05, 0.05])  # target at the draft's position
+    p1 = np.array([0.50, 0.30, 0.20, 1e-9, 1e-9, 1e-9])  # target after the draft
+    q0 = np.array([0.45, 0.05, 0.20, 0.10, 0.10, 0.10])  # the draft's law; draft = token 1
+    logits = jnp.broadcast_to(jnp.log(jnp.asarray(np.stack([p0, p1]), jnp.float32)), (b, 2, 6))
+    q = jnp.broadcast_to(jnp.asarray(q0, jnp.float32), (b, 1, 6))
+    drafts = jnp.ones((b, 1), jnp.int32)
+    n_acc, nxt = accept(jax.random.PRNGKey(0), drafts, q, logits, SamplingParams(1.0))
+    assert bool(jnp.all(n_acc == 1))
+    seen = np.bincount(np.asarray(nxt), minlength=6)
+    assert seen[3:].sum() == 0
+    assert stats.chisquare(seen[:3], p1[:3] / p1[:3].sum() * b).pvalue > 1e-4

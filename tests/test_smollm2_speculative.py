@@ -29,10 +29,9 @@ def setup():
     return model, prompts, generate(model, prompts, NEW)
 
 
-# vegas-all and last differ from vegas only in the verify rows they capture (the tiny-model
-# tests run them at full length): a shorter run here keeps CI time down.
-@pytest.mark.parametrize("method,new", [("vegas", NEW), ("stream", NEW), ("quest", NEW),
-                                        ("vegas-all", NEW // 2), ("last", NEW // 2)])
+# vegas-all and last differ from vegas only in the verify rows they capture: the tiny-model
+# tests run them in CI, and the GPU equality table (BENCHMARKS.md) on these weights.
+@pytest.mark.parametrize("method,new", [("vegas", NEW), ("stream", NEW), ("quest", NEW)])
 def test_greedy_matches_vanilla_on_real_weights(setup, method, new):
     model, prompts, ref = setup
     assert all(len(t) == NEW for t in ref.tokens)  # no early EOS: the runs are long

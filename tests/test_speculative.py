@@ -120,9 +120,8 @@ def softmax64(x, sp: SamplingParams):
 
 @pytest.mark.parametrize("sp,gamma", [(SamplingParams(1.0), 2),
                                       (SamplingParams(1.0, top_k=5), 2),
-                                      (SamplingParams(1.0, top_p=0.95), 1),
-                                      (SamplingParams(1.0, min_p=0.2), 1)],
-                         ids=["dense-q", "top-k-sparse-q", "top-p-bonus", "min-p-bonus"])
+                                      (SamplingParams(1.0, top_p=0.95, min_p=0.2), 1)],
+                         ids=["dense-q", "top-k-sparse-q", "top-p-min-p-bonus"])
 def test_sampled_output_has_target_distribution(sp, gamma):
     """Many independent rows of one prompt; the first two tokens decoded after the
     prompt's own must follow the model's exact joint law (of the processed distribution:

@@ -35,7 +35,7 @@ attn_mod.sparse_step = functools.partial(sparse_step, interpret=True)
 cfg = dataclasses.replace(tiny_config(), num_heads=8, num_kv_heads=4)
 params = init_params(cfg, jax.random.PRNGKey(0), jnp.float32, scale=0.3)
 rng = np.random.default_rng(1)
-prompts = [rng.integers(0, 100, size=n).tolist() for n in (30, 75)]
+prompts = [rng.integers(0, 100, size=n).tolist() for n in (20, 45)]
 spec = lambda m: SpecConfig(method=m, gamma=3, min_tokens=8)
 
 def model(tp, attn="xla"):
@@ -45,16 +45,17 @@ def model(tp, attn="xla"):
     return TinyModel(cfg, placed, None, ExecConfig(attn=attn, tp=tp).resolve()), shards
 
 out = {}
-for tp, attn, methods in [(1, "xla", ("vegas", "stream", "quest", "auto")),
+for tp, attn, methods in [(1, "xla", ("vegas", "stream", "quest")),
                           (2, "xla", ("vegas", "quest", "auto")),
                           (4, "xla", ("stream",)),
                           (2, "pallas", ("vegas",))]:
     m, shards = model(tp, attn)
     key = f"{tp}-{attn}"
-    out[key] = {"shards": shards, "vanilla": generate(m, prompts, 12).tokens,
-                "refill": generate(m, prompts + prompts[:1], 12, max_batch=2).tokens}
+    out[key] = {"shards": shards, "vanilla": generate(m, prompts, 10).tokens}
+    if key == "2-xla":
+        out[key]["refill"] = generate(m, prompts + prompts[:1], 10, max_batch=2).tokens
     for meth in methods:
-        r = speculative_generate(m, prompts, 12, spec(meth))
+        r = speculative_generate(m, prompts, 10, spec(meth))
         out[key][meth] = [r.tokens, r.stats["tau"]]
 print("RESULT" + json.dumps(out))
 """
@@ -77,7 +78,8 @@ def test_tp_equals_one_device(runs, key):
     ref, got = runs["1-xla"], runs[key]
     assert got["shards"] == int(key[0])  # the weights really are split
     assert got["vanilla"] == ref["vanilla"]
-    assert got["refill"] == ref["vanilla"] + ref["vanilla"][:1]  # a slot refilled under tp
+    if "refill" in got:  # a slot refilled under tp
+        assert got["refill"] == ref["vanilla"] + ref["vanilla"][:1]
     for meth in ("vegas", "stream", "quest", "auto"):
         if meth in got:
             assert got[meth][0] == ref["vanilla"], meth  # lossless
