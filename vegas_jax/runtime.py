@@ -225,6 +225,7 @@ class TokenCollector:
     def n_generated(self) -> int:
         return sum(len(t) for t in self.tokens)
 
+
 class DecodeClock:
     """Decode timing. The first device call compiles, so throughput is measured over the
     calls after it (all calls when there is only one). Per call: `dispatch_s` the host's
