@@ -14,7 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.sparse_attention import (
-    StepBlocks, sparse_attention, sparse_attention_reference, sparse_step, sparse_step_reference,
+    StepBlocks, rope_halves, sparse_attention, sparse_attention_reference, sparse_step,
+    sparse_step_reference,
 )
 from pallas_kernels.verify_attention import verify_attention, verify_attention_reference
 
@@ -78,7 +79,7 @@ def check_step(case, key):
         10000.0 ** (-jnp.arange(0, d, 2) / d))[None, None, :]
     emb = jnp.concatenate([emb, emb], -1)
     kw = dict(tail_len=W, num_heads=kh * g, qk_norm=qk_norm, idx_layer=jnp.int32(L - 2))
-    args = (qkv, norms, jnp.cos(emb), jnp.sin(emb), kc, vc, jnp.int32(L - 1), idx, count,
+    args = (qkv, norms[0], norms[1], rope_halves(jnp.cos(emb), jnp.sin(emb)), kc, vc, jnp.int32(L - 1), idx, count,
             tail_start, q_pos)
     ref = jax.jit(lambda *a: sparse_step_reference(*a, **kw))(*args)
     out = jax.jit(lambda *a: sparse_step(*a, **kw, blocks=StepBlocks(whole_from=unsplit)),

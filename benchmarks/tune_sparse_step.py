@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.sparse_attention import (
-    SparseBlocks, StepBlocks, sparse_step, sparse_step_reference,
+    SparseBlocks, StepBlocks, rope_halves, sparse_step, sparse_step_reference,
 )
 
 SPLIT = 10**9
@@ -53,14 +53,14 @@ def main():
     tail_start = q_pos - a.tail + 1
     idx = jax.random.randint(ks[4], (L, b, K), 0, a.context - a.tail).astype(jnp.int32)
     count = jnp.full((L, b), K - 8, jnp.int32)
-    cos = jnp.ones((b, 1, d), jnp.float32)
-    sin = jnp.zeros((b, 1, d), jnp.float32)
+    rope = rope_halves(jnp.ones((b, 1, d), jnp.float32), jnp.zeros((b, 1, d), jnp.float32))
 
     def chain(fn):
         def run(qkv, kc, vc):
             def body(li, c):
                 x, kc, vc = c
-                o, kc, vc = fn(x, norms, cos, sin, kc, vc, li, idx, count, tail_start, q_pos,
+                o, kc, vc = fn(x, norms[0], norms[1], rope, kc, vc, li, idx, count, tail_start,
+                               q_pos,
                                tail_len=a.tail, num_heads=kh * g, idx_layer=li)
                 return (x + (o.sum() * 0).astype(x.dtype), kc, vc)
             return lax.fori_loop(0, L, body, (qkv, kc, vc))

@@ -87,7 +87,9 @@ def sparse_attention_reference(q, k_cache, v_cache, layer, idx, count, tail_star
 @dataclasses.dataclass(frozen=True)
 class SparseBlocks:
     """Tuning knobs. block_k: gathered rows per loop step; num_warps / num_stages: Triton;
-    target_programs: grid size aimed at when cutting the entries into chunks."""
+    target_programs: grid size aimed at when cutting the entries into chunks. (Gathering
+    the next block's K/V before this block's arithmetic, two blocks in registers, measured
+    slower at every shape tried: BENCHMARKS.md, 2026-12-01 b.)"""
 
     block_k: int = 64
     num_warps: int = 4
@@ -126,12 +128,13 @@ def _chunk_attention(q_parts, k_ref, v_ref, idx_ref, cnt_ref, ts_ref, layer, il,
     d = v_ref.shape[-1]
     kr = jnp.arange(block_k, dtype=jnp.int32)
 
-    def attend(pos, ok, carry):
-        o, m, l, hits = carry
+    def gather(pos):  # [block_k] positions -> (K parts [block_k, w] each, V [block_k, d])
         pos = jnp.clip(pos, 0, s_len - 1)
-        # both gathers first: V's latency overlaps the logits and the softmax
-        ks = [k_ref[layer, bi, h, pos, sl] for _, sl in q_parts]  # gather [block_k, w] each
-        v = v_ref[layer, bi, h, pos, :]  # gather [block_k, d]
+        return [k_ref[layer, bi, h, pos, sl] for _, sl in q_parts], v_ref[layer, bi, h, pos, :]
+
+    def update(pos, ok, rows_kv, carry):
+        o, m, l, hits = carry
+        ks, v = rows_kv
         if skip_qpos:
             here = ok & (pos == qpos)
             hits = hits + jnp.sum(here.astype(jnp.int32))
@@ -148,6 +151,18 @@ def _chunk_attention(q_parts, k_ref, v_ref, idx_ref, cnt_ref, ts_ref, layer, il,
         o = o * corr[:, None] + dot(p.astype(v.dtype), v)
         return o, m_new, l, hits
 
+    def walk(nblk, pos_of, ok_of, carry):
+        """Blocks 0..nblk-1 with positions pos_of(i) and validity ok_of(i). Positions are
+        loaded one block ahead: their latency overlaps this block's gathers."""
+
+        def body(i, c):
+            *c, pos = c
+            nxt = pos_of(i + 1)
+            return (*update(pos, ok_of(i), gather(pos), c), nxt)
+
+        *carry, _ = lax.fori_loop(0, nblk, body, (*carry, pos_of(0)))
+        return tuple(carry)
+
     carry0 = (jnp.zeros((rows, d), jnp.float32), jnp.full((rows,), NEG, jnp.float32),
               jnp.zeros((rows,), jnp.float32), jnp.int32(0))
 
@@ -161,27 +176,15 @@ def _chunk_attention(q_parts, k_ref, v_ref, idx_ref, cnt_ref, ts_ref, layer, il,
             return pltr.load(idx_ref.at[il, bi, hi, pl.ds(e0 + i * block_k, block_k)],
                              mask=e < n_idx, other=0)
 
-        def body(i, c):
-            # the next block's positions are loaded a step ahead: their latency overlaps
-            # this block's gathers instead of preceding them
-            *c, pos = c
-            nxt = positions(i + 1)
-            return (*attend(pos, e0 + i * block_k + kr < cnt, c), nxt)
-
-        *carry, _ = lax.fori_loop(0, nblk, body, (*carry, positions(0)))
-        return tuple(carry)
+        return walk(nblk, positions, lambda i: e0 + i * block_k + kr < cnt, carry)
 
     def tail(carry):
         t0 = ts_ref[bi]
         n_valid = jnp.clip(qpos - t0 + 1, 0, tail_len)  # entries tail_start .. q_pos
         e0 = 0 if one_program else (j - n_sel) * chunk
         nblk = pl.cdiv(jnp.maximum(jnp.minimum(e0 + chunk, n_valid) - e0, 0), block_k)
-
-        def body(i, c):
-            e = e0 + i * block_k + kr
-            return attend(t0 + e, e < n_valid, c)
-
-        return lax.fori_loop(0, nblk, body, carry)
+        return walk(nblk, lambda i: t0 + e0 + i * block_k + kr,
+                    lambda i: e0 + i * block_k + kr < n_valid, carry)
 
     if one_program:
         return tail(selected(carry0)) if tail_len > 0 else selected(carry0)
@@ -190,16 +193,16 @@ def _chunk_attention(q_parts, k_ref, v_ref, idx_ref, cnt_ref, ts_ref, layer, il,
     return selected(carry0)
 
 
-def _sparse_kernel(layers_ref, q_ref, idx_ref, cnt_ref, ts_ref, qp_ref, k_ref, v_ref,
+def _sparse_kernel(layer_ref, il, q_ref, idx_ref, cnt_ref, ts_ref, qp_ref, k_ref, v_ref,
                    o_ref, m_ref, l_ref, *, per_head, **kw):
-    # layers_ref [2] (cache layer, index layer); q_ref [rows, d]; idx_ref [Li, b, k|1, K];
+    # layer_ref [1] (cache layer); il the index layer (`_layer_inputs`); q_ref [rows, d]; idx_ref [Li, b, k|1, K];
     # cnt_ref [Li, b, k|1]; ts_ref, qp_ref [b]; k_ref, v_ref [L, b, k, s, d];
     # o_ref [rows, d], m_ref, l_ref [rows]
     bi, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     hi = h if per_head else jnp.int32(0)
     q = q_ref[...]  # [rows, d]
     o, m, l, _ = _chunk_attention(((q, slice(None)),), k_ref, v_ref, idx_ref, cnt_ref, ts_ref,
-                                  layers_ref[0], layers_ref[1], bi, h, hi, j, qp_ref[bi],
+                                  layer_ref[0], il, bi, h, hi, j, qp_ref[bi],
                                   skip_qpos=False, **kw)
     o_ref[...] = o
     m_ref[...] = m
@@ -218,6 +221,22 @@ def _chunking(b, kh, n_idx, tail_len, blocks, split=True):
     n_sel = max(1, pl.cdiv(n_idx, chunk))
     n_prog = n_sel + (pl.cdiv(tail_len, chunk) if tail_len > 0 else 0)
     return bk, chunk, n_sel, n_prog
+
+
+def _layer_inputs(kernel, layer, idx_layer):
+    """The layer scalars as kernel inputs: (kernel taking (layer_ref, il, ...), operands).
+    The index layer is a constant or the cache layer itself in every model call; then only
+    the cache layer travels, as one [1] array (a bitcast of the scalar: stacking the two
+    scalars, or handing one buffer twice, costs a kernel or a copy every layer)."""
+    if idx_layer is layer or isinstance(idx_layer, int):
+        def same(layer_ref, *refs, **kw):
+            il = layer_ref[0] if idx_layer is layer else jnp.int32(idx_layer)
+            return kernel(layer_ref, il, *refs, **kw)
+        return same, [scalar(layer)]
+
+    def two(layer_ref, il_ref, *refs, **kw):
+        return kernel(layer_ref, il_ref[0], *refs, **kw)
+    return two, [scalar(layer), scalar(idx_layer)]
 
 
 def _index_inputs(b, idx, count, idx_layer):
@@ -243,18 +262,17 @@ def sparse_attention(q, k_cache, v_cache, layer, idx, count, tail_start, q_pos, 
     bk, chunk, n_sel, n_prog = _chunking(b, kh, n_idx, tail_len, blocks)
     rows = pow2_at_least(g)
     qr = jnp.pad(q[:, 0], ((0, 0), (0, 0), (0, rows - g), (0, 0)))  # [b, kh, rows, d]
-    layers = jnp.stack([jnp.asarray(layer, jnp.int32), jnp.asarray(idx_layer, jnp.int32)])
 
-    kernel = functools.partial(
+    kernel, scalars = _layer_inputs(functools.partial(
         _sparse_kernel, block_k=bk, chunk=chunk, n_sel=n_sel, n_idx=n_idx, tail_len=tail_len,
-        s_len=s, scale=d**-0.5, per_head=per_head)
+        s_len=s, scale=d**-0.5, per_head=per_head), layer, idx_layer)
     spec_o = pl.BlockSpec((None, None, None, rows, d), lambda bi, h, c: (bi, h, c, 0, 0))
     spec_v = pl.BlockSpec((None, None, None, rows), lambda bi, h, c: (bi, h, c, 0))
     o, m, l = pl.pallas_call(
         kernel,
         grid=(b, kh, n_prog),
         in_specs=[
-            whole((2,)),
+            *[whole((1,))] * len(scalars),
             pl.BlockSpec((None, None, rows, d), lambda bi, h, c: (bi, h, 0, 0)),
             whole(idx4.shape),
             whole(cnt3.shape),
@@ -273,8 +291,8 @@ def sparse_attention(q, k_cache, v_cache, layer, idx, count, tail_start, q_pos, 
                                             num_stages=blocks.num_stages),
         interpret=interpret,
         name="vegas_sparse_attention",
-    )(layers, qr, idx4, cnt3, tail_start.astype(jnp.int32), q_pos.astype(jnp.int32),
-      k_cache, v_cache)
+    )(*scalars, qr, idx4, cnt3, tail_start.astype(jnp.int32),
+      q_pos.astype(jnp.int32), k_cache, v_cache)
     out, _ = combine_splits(o, m, l)  # [b, kh, rows, d]
     return out[:, None, :, :g].astype(q.dtype)
 
@@ -293,14 +311,14 @@ def sparse_attention(q, k_cache, v_cache, layer, idx, count, tail_start, q_pos, 
 # normalises and writes the output rows itself, so no combine pass follows.
 
 
-def _rms(parts, w_ref, w_row, eps, d):
+def _rms(parts, w_ref, eps, d):
     """RMS-normalise the row(s) held as halves `parts` ([r, d/2] each), times the weight
-    row w_ref[w_row] in the input dtype, as the model's `rms_norm` does."""
+    w_ref [d] in the input dtype, as the model's `rms_norm` does."""
     dt = parts[0].dtype
     fs = [x.astype(jnp.float32) for x in parts]
     inv = lax.rsqrt(sum(jnp.sum(f * f, axis=-1) for f in fs) / d + eps)  # [r]
     half = d // 2
-    return [w_ref[w_row, pl.ds(i * half, half)][None, :] * (f * inv[:, None]).astype(dt)
+    return [w_ref[pl.ds(i * half, half)][None, :] * (f * inv[:, None]).astype(dt)
             for i, f in enumerate(fs)]
 
 
@@ -311,20 +329,23 @@ def _rope(x1, x2, cos, sin):
     return (f1 * cos - f2 * sin).astype(dt), (f2 * cos + f1 * sin).astype(dt)
 
 
-def _step_kernel(layers_ref, qkv_ref, norm_ref, rope_ref, idx_ref, cnt_ref, ts_ref, qp_ref,
-                 k_ref, v_ref, *outs, per_head, g, kh, qk_norm, eps, normalize, **kw):
-    # layers_ref [2]; qkv_ref [b, n + 2k, d] (raw projection: q heads | k heads | v heads);
-    # norm_ref [2, d] (q, k norm weights); rope_ref [b, 2, d/2] (cos, sin of the query's
+def _step_kernel(layer_ref, il, qkv_ref, *refs, per_head, g, kh, qk_norm, eps, normalize,
+                 **kw):
+    # layer_ref [1]; il the index layer; qkv_ref [b, n + 2k, d] (raw projection: q heads |
+    # k heads | v heads); qn_ref, kn_ref [d] (q, k norm weights; absent without qk_norm);
+    # rope_ref [b, 2, d/2] (cos, sin of the query's
     # position); idx_ref, cnt_ref, ts_ref, qp_ref as in `_sparse_kernel`;
     # k_ref, v_ref [L, b, k, s, d] (read); outs: o_ref [b, n, d] when normalize, else
     # o_ref [rows, d], m_ref, l_ref [rows]; then ko_ref, vo_ref (= k_ref, v_ref, aliased)
+    qn_ref, kn_ref = refs[:2] if qk_norm else (None, None)
+    rope_ref, idx_ref, cnt_ref, ts_ref, qp_ref, k_ref, v_ref, *outs = refs[2 * qk_norm:]
     if normalize:
         o_ref, ko_ref, vo_ref = outs
     else:
         o_ref, m_ref, l_ref, ko_ref, vo_ref = outs
     bi, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     hi = h if per_head else jnp.int32(0)
-    layer = layers_ref[0]
+    layer = layer_ref[0]
     qpos = qp_ref[bi]
     d = qkv_ref.shape[-1]
     half = d // 2
@@ -339,7 +360,7 @@ def _step_kernel(layers_ref, qkv_ref, norm_ref, rope_ref, idx_ref, cnt_ref, ts_r
     k = [qkv_ref[bi, pl.ds(kh * g + h, 1), lo], qkv_ref[bi, pl.ds(kh * g + h, 1), up]]
     v = qkv_ref[bi, pl.ds(kh * g + kh + h, 1), :]  # [1, d]
     if qk_norm:
-        q, k = _rms(q, norm_ref, 0, eps, d), _rms(k, norm_ref, 1, eps, d)
+        q, k = _rms(q, qn_ref, eps, d), _rms(k, kn_ref, eps, d)
     q = _rope(*q, cos, sin)
     k = _rope(*k, cos, sin)
 
@@ -350,7 +371,7 @@ def _step_kernel(layers_ref, qkv_ref, norm_ref, rope_ref, idx_ref, cnt_ref, ts_r
         vo_ref[layer, bi, h, pl.ds(qpos, 1), :] = v
 
     o, m, l, hits = _chunk_attention(((q[0], lo), (q[1], up)), k_ref, v_ref, idx_ref, cnt_ref,
-                                     ts_ref, layer, layers_ref[1], bi, h, hi, j, qpos,
+                                     ts_ref, layer, il, bi, h, hi, j, qpos,
                                      skip_qpos=True, one_program=normalize, **kw)
     # the new token's own entry, as often as this chunk listed its position
     s_new = sum(jnp.sum(qp.astype(jnp.float32) * kp.astype(jnp.float32), axis=-1)
@@ -370,16 +391,30 @@ def _step_kernel(layers_ref, qkv_ref, norm_ref, rope_ref, idx_ref, cnt_ref, ts_r
         l_ref[...] = l
 
 
-def sparse_step(qkv, norms, cos, sin, k_cache, v_cache, layer, idx, count, tail_start, q_pos,
-                *, tail_len, num_heads, qk_norm=False, eps=1e-6, idx_layer=None,
+def rope_halves(cos, sin):
+    """cos, sin [b, 1, d] (the two halves equal, as `rope_tables` makes them) -> the
+    [b, 2, d/2] fp32 table `sparse_step` reads. Made once per forward, not per layer."""
+    half = cos.shape[-1] // 2
+    return jnp.stack([cos[:, 0, :half], sin[:, 0, :half]], axis=1).astype(jnp.float32)
+
+
+def scalar(x):
+    """An int32 scalar as the [1] array a kernel reads (a bitcast, no kernel of its own)."""
+    return jnp.asarray(x, jnp.int32).reshape(1)
+
+
+def sparse_step(qkv, q_norm, k_norm, rope, k_cache, v_cache, layer, idx, count, tail_start,
+                q_pos, *, tail_len, num_heads, qk_norm=False, eps=1e-6, idx_layer=None,
                 interpret=False, blocks: StepBlocks | None = None):
     """One draft token's attention block for one layer, in one Pallas (Triton) call:
     `sparse_step_reference`'s semantics.
 
-    qkv [b, 1, (n + 2k) * d]: the layer's raw Q/K/V projection; norms [2, d]: the Q and K
-    RMS-norm weights (read when qk_norm); cos, sin [b, 1, d]: RoPE tables at q_pos (the
-    two halves equal, as `rope_tables` makes them); caches [L, b, k, s, d], written at
-    q_pos (layer `layer`) and returned; the rest as in `sparse_attention`.
+    qkv [b, 1, (n + 2k) * d]: the layer's raw Q/K/V projection; q_norm, k_norm [d]: the Q
+    and K RMS-norm weights (read when qk_norm); rope [b, 2, d/2]: `rope_halves` of the
+    RoPE tables at q_pos; caches [L, b, k, s, d], written at q_pos (layer `layer`) and
+    returned; the rest as in `sparse_attention`. Every input but qkv and the norms is the
+    same for all layers of a step: built once, outside the layer loop (a per-layer stack
+    or concatenation costs a kernel launch a layer).
     Returns (out [b, 1, k, g, d] in qkv.dtype, k_cache, v_cache).
     """
     b = qkv.shape[0]
@@ -393,12 +428,12 @@ def sparse_step(qkv, norms, cos, sin, k_cache, v_cache, layer, idx, count, tail_
     bk, chunk, n_sel, n_prog = _chunking(b, kh, n_idx, tail_len, blocks, split=not normalize)
     rows = pow2_at_least(g)
     half = d // 2
-    rope = jnp.stack([cos[:, 0, :half], sin[:, 0, :half]], axis=1).astype(jnp.float32)
-    layers = jnp.stack([jnp.asarray(layer, jnp.int32), jnp.asarray(idx_layer, jnp.int32)])
-    kernel = functools.partial(
+    kernel, scalars = _layer_inputs(functools.partial(
         _step_kernel, block_k=bk, chunk=chunk, n_sel=n_sel, n_idx=n_idx, tail_len=tail_len,
         s_len=s, scale=d**-0.5, per_head=per_head, g=g, kh=kh, qk_norm=qk_norm, eps=eps,
-        normalize=normalize)
+        normalize=normalize), layer, idx_layer)
+    norms = [q_norm.astype(qkv.dtype), k_norm.astype(qkv.dtype)] if qk_norm else []
+    n_in = len(scalars) + 1 + len(norms) + 5  # index of k_cache: the caches come last
     cache_shape = jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype)
     if normalize:
         out_specs = [whole((b, num_heads, d)), whole(k_cache.shape), whole(v_cache.shape)]
@@ -417,17 +452,18 @@ def sparse_step(qkv, norms, cos, sin, k_cache, v_cache, layer, idx, count, tail_
     res = pl.pallas_call(
         kernel,
         grid=(b, kh, n_prog),
-        in_specs=[whole((2,)), whole((b, num_heads + 2 * kh, d)), whole((2, d)),
-                  whole((b, 2, half)), whole(idx4.shape), whole(cnt3.shape), whole((b,)),
-                  whole((b,)), whole(k_cache.shape), whole(v_cache.shape)],
+        in_specs=[*[whole((1,))] * len(scalars), whole((b, num_heads + 2 * kh, d)),
+                  *[whole((d,))] * len(norms), whole((b, 2, half)), whole(idx4.shape),
+                  whole(cnt3.shape), whole((b,)), whole((b,)), whole(k_cache.shape),
+                  whole(v_cache.shape)],
         out_specs=out_specs,
         out_shape=out_shape,
-        input_output_aliases={8: n_out - 2, 9: n_out - 1},
+        input_output_aliases={n_in: n_out - 2, n_in + 1: n_out - 1},
         compiler_params=pltr.CompilerParams(num_warps=blocks.num_warps,
                                             num_stages=blocks.num_stages),
         interpret=interpret,
         name="vegas_sparse_step",
-    )(layers, qkv.reshape(b, num_heads + 2 * kh, d), norms.astype(qkv.dtype), rope, idx4,
+    )(*scalars, qkv.reshape(b, num_heads + 2 * kh, d), *norms, rope.astype(jnp.float32), idx4,
       cnt3, tail_start.astype(jnp.int32), q_pos.astype(jnp.int32), k_cache, v_cache)
     k_cache, v_cache = res[-2:]
     if normalize:
@@ -438,7 +474,7 @@ def sparse_step(qkv, norms, cos, sin, k_cache, v_cache, layer, idx, count, tail_
     return out[:, None], k_cache, v_cache
 
 
-def sparse_step_reference(qkv, norms, cos, sin, k_cache, v_cache, layer, idx, count,
+def sparse_step_reference(qkv, q_norm, k_norm, rope, k_cache, v_cache, layer, idx, count,
                           tail_start, q_pos, *, tail_len, num_heads, qk_norm=False, eps=1e-6,
                           idx_layer=None):
     """Split, norm, RoPE, cache write and `sparse_attention_reference`, in plain XLA."""
@@ -446,6 +482,8 @@ def sparse_step_reference(qkv, norms, cos, sin, k_cache, v_cache, layer, idx, co
     _, _, kh, s, d = k_cache.shape
     x = qkv.reshape(b, 1, num_heads + 2 * kh, d)
     q, k, v = x[:, :, :num_heads], x[:, :, num_heads:num_heads + kh], x[:, :, num_heads + kh:]
+    cos = jnp.concatenate([rope[:, 0], rope[:, 0]], -1)[:, None]  # [b, 1, d]
+    sin = jnp.concatenate([rope[:, 1], rope[:, 1]], -1)[:, None]
 
     def rms(y, w):
         yf = y.astype(jnp.float32)
@@ -458,7 +496,7 @@ def sparse_step_reference(qkv, norms, cos, sin, k_cache, v_cache, layer, idx, co
         return (yf * cos[:, :, None] + rot * sin[:, :, None]).astype(y.dtype)
 
     if qk_norm:
-        q, k = rms(q, norms[0]), rms(k, norms[1])
+        q, k = rms(q, q_norm), rms(k, k_norm)
     q, k = rope(q), rope(k)
     ok = q_pos < s
     at = jnp.minimum(q_pos, s - 1)

@@ -85,7 +85,7 @@ STEP_CASES = [
 
 @pytest.mark.parametrize("case", STEP_CASES, ids=[f"c{i}" for i in range(len(STEP_CASES))])
 def test_sparse_step_matches_reference(case):
-    from pallas_kernels.sparse_attention import sparse_step, sparse_step_reference
+    from pallas_kernels.sparse_attention import rope_halves, sparse_step, sparse_step_reference
 
     b, kh, g, d, s, K, W, qk_norm, dtype, unsplit = case
     L, n = 2, kh * g
@@ -104,7 +104,8 @@ def test_sparse_step_matches_reference(case):
     freqs = pos * (10000.0 ** (-jnp.arange(0, d, 2) / d))[None, None, :]
     emb = jnp.concatenate([freqs, freqs], axis=-1)
     cos, sin = jnp.cos(emb), jnp.sin(emb)
-    args = (qkv, norms, cos, sin, kc, vc, jnp.int32(1), idx, count, tail_start, q_pos)
+    args = (qkv, norms[0], norms[1], rope_halves(cos, sin), kc, vc, jnp.int32(1), idx, count,
+            tail_start, q_pos)
     kw = dict(tail_len=W, num_heads=n, qk_norm=qk_norm, eps=1e-6, idx_layer=jnp.int32(1))
     ref, rk, rv = sparse_step_reference(*args, **kw)
     sb = SparseBlocks(block_k=16, target_programs=3 * b * kh)
@@ -131,8 +132,8 @@ def test_sparse_step_lowers_for_cuda():
         fn = functools.partial(sparse_step, tail_len=13, num_heads=kh * g, qk_norm=True,
                                blocks=StepBlocks(whole_from=unsplit))
         txt = lower_cuda(
-            fn, sd((b, 1, (kh * g + 2 * kh) * d), bf), sd((2, d), bf), sd((b, 1, d), jnp.float32),
-            sd((b, 1, d), jnp.float32), sd((L, b, kh, s, d), bf), sd((L, b, kh, s, d), bf),
+            fn, sd((b, 1, (kh * g + 2 * kh) * d), bf), sd((d,), bf), sd((d,), bf),
+            sd((b, 2, d // 2), jnp.float32), sd((L, b, kh, s, d), bf), sd((L, b, kh, s, d), bf),
             sd((), jnp.int32), sd((b, K), jnp.int32), sd((b,), jnp.int32),
             sd((b,), jnp.int32), sd((b,), jnp.int32))
         assert "xla.gpu.triton" in txt

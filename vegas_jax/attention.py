@@ -128,15 +128,15 @@ def fused_draft(plan: AttnPlan, xc) -> bool:
             and xc.draft == "fused")
 
 
-def sparse_block(plan: AttnPlan, xc, cfg, qkv, norms, cos, sin, k_cache, v_cache, layer,
+def sparse_block(plan: AttnPlan, xc, cfg, qkv, q_norm, k_norm, rope, k_cache, v_cache, layer,
                  positions):
     """The fused draft attention block: qkv [b, 1, (n + 2k) * d] raw projection (per shard
-    [q_i | k_i | v_i]), norms [2, d], cos/sin [b, 1, d]. Returns (out [b, 1, k, g, d],
-    k_cache, v_cache)."""
+    [q_i | k_i | v_i]), q_norm / k_norm [d], rope [b, 2, d/2] (`rope_halves`). Returns
+    (out [b, 1, k, g, d], k_cache, v_cache)."""
 
-    def local(qkv, norms, cos, sin, k_cache, v_cache, layer, idx, count, tail_start, q_pos,
-              at):
-        return sparse_step(qkv, norms, cos, sin, k_cache, v_cache, layer, idx, count,
+    def local(qkv, q_norm, k_norm, rope, k_cache, v_cache, layer, idx, count, tail_start,
+              q_pos, at):
+        return sparse_step(qkv, q_norm, k_norm, rope, k_cache, v_cache, layer, idx, count,
                            tail_start, q_pos, tail_len=plan.tail_len,
                            num_heads=cfg.num_heads // xc.tp, qk_norm=cfg.qk_norm,
                            eps=cfg.rms_norm_eps, idx_layer=at)
@@ -144,5 +144,5 @@ def sparse_block(plan: AttnPlan, xc, cfg, qkv, norms, cos, sin, k_cache, v_cache
     cols = P(None, None, AXIS)
     return per_device(local, xc, (cols, REP, REP, REP, HEADS5, HEADS5, REP, REP, REP, REP,
                                   REP, REP), (HEADS5, HEADS5, HEADS5))(
-        qkv, norms, cos, sin, k_cache, v_cache, layer, plan.idx, plan.count, plan.tail_start,
+        qkv, q_norm, k_norm, rope, k_cache, v_cache, layer, plan.idx, plan.count, plan.tail_start,
         positions[:, 0], layer if plan.layered else 0)

@@ -18,6 +18,7 @@ import numpy as np
 from flax import struct
 from jax import lax
 
+from pallas_kernels.sparse_attention import rope_halves
 from vegas_jax.attention import AttnPlan, attention, fused_draft, sparse_block
 from vegas_jax.cache import KVCache, write_kv
 from vegas_jax.config import ModelConfig, rope_inv_freq
@@ -96,11 +97,13 @@ def apply_rope(x, cos, sin):
 def _layer(cfg: ModelConfig, xc: ExecConfig, plan: AttnPlan, cos, sin, positions, write: bool):
     k_heads, g, d = cfg.num_kv_heads, cfg.group_size, cfg.head_dim
     fused = write and fused_draft(plan, xc)  # the attention block in one kernel
+    # the fused kernel's per-step inputs, made here, outside the layer loop: made inside,
+    # each would cost a small kernel launch per layer
+    rope = rope_halves(cos, sin) if fused else None
+    ones = np.ones((d,), np.float32)  # a literal: the Q/K norm weights of models without
 
-    def norms(lp):  # [2, d]: Q and K norm weights, ones where the model has none
-        if cfg.qk_norm:
-            return jnp.stack([lp.q_norm, lp.k_norm])
-        return jnp.ones((2, d), lp.attn_norm.dtype)
+    def norms(lp):  # (Q norm [d], K norm [d])
+        return (lp.q_norm, lp.k_norm) if cfg.qk_norm else (ones, ones)
 
     def step(carry, lp: LayerParams, li):
         x, k_cache, v_cache = carry  # x [b, t, h]
@@ -108,7 +111,7 @@ def _layer(cfg: ModelConfig, xc: ExecConfig, plan: AttnPlan, cos, sin, positions
         h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
         qkv = mm("bth,hn->btn", h, lp.w_qkv)  # [b, t, (n + 2k)*d]
         if fused:
-            o, k_cache, v_cache = sparse_block(plan, xc, cfg, qkv, norms(lp), cos, sin,
+            o, k_cache, v_cache = sparse_block(plan, xc, cfg, qkv, *norms(lp), rope,
                                                k_cache, v_cache, li, positions)
             return finish(x, o, lp, k_cache, v_cache, None)
         # columns per shard: [q_i | k_i | v_i] for each of the tp shards (`sharding`)
