@@ -107,3 +107,33 @@ def test_wrong_capture_rows_are_caught(tiny_hf):
     c = int(np.ceil(0.1 * (len(p) + GAMMA + 1)))
     assert any(not _same_top(_top(one[layer], c), both[layer], c)
                for layer in range(both.shape[0]))
+
+
+@pytest.mark.parametrize("name", ["vegas", "last", "auto"])
+def test_drafts_after_plain_steps_see_their_own_position(name):
+    """auto's plain steps grow the cache without a verify. The next round's drafts (any
+    candidate gamma) must still attend to their own positions: the tail starts at the
+    selection's `end` and holds 2 gamma + 1 entries, so without `after_plain` a draft 40
+    tokens past `end` reads only stale entries (fails on the code before the fix)."""
+    from vegas_jax.cache import init_cache
+    from vegas_jax.config import get_config
+    from vegas_jax.selection import TopK, method_named
+
+    method = method_named(name)
+    spec = SpecConfig(method=name, gamma=2)
+    cache = init_cache(get_config("smollm2-135m"), 2, 256, jnp.float32)
+    L, K = 2, 8
+    sel = TopK(jnp.zeros((L, 2, K), jnp.int32), jnp.full((L, 2), K, jnp.int32),
+               jnp.array([10, 30], jnp.int32))
+    n = jnp.array([50, 33], jnp.int32)  # 40 tokens past `end`; 3 past (a short plain call)
+    after = method.after_plain(spec, sel, n)
+    for gamma in (2, 4, 6):
+        g = SpecConfig(method=name, gamma=gamma)
+        for i in range(gamma):
+            pos = n + i
+            plan = method.draft_plan(g, after, cache, pos)
+            start = np.asarray(plan.tail_start)
+            assert (start <= np.asarray(pos)).all()
+            assert (np.asarray(pos) - start + 1 <= plan.tail_len).all(), (gamma, i)
+    # a selection the plain steps did not outrun is left alone
+    np.testing.assert_array_equal(np.asarray(after.end)[1], 30)

@@ -99,6 +99,11 @@ class Method:
         n [b] and accepted n_acc [b] drafts (cache: the verified cache, lengths still n)."""
         return sel
 
+    def after_plain(self, spec, sel, n) -> Any:
+        """The selection state to draft from after plain decoding steps (auto) grew the
+        cache to n [b] tokens without a verify: rounds of any gamma >= spec.gamma follow."""
+        return sel
+
 
 @struct.dataclass
 class TopK:
@@ -149,6 +154,15 @@ class VerifyGuided(Method):
             scores = jnp.take_along_axis(scores, n_acc[None, :, None, None], axis=2)[:, :, 0]
         idx, count = select_topk(scores, n, spec, cache.max_len)
         return TopK(idx, count, n + 1)
+
+    def after_plain(self, spec, sel, n):
+        # The tail holds tail_len = 2 gamma + 1 entries from `end` on; plain steps moved the
+        # query past it, and a draft that cannot see its own position drafts noise (auto at
+        # B = 1 saw no draft accepted in the round after plain steps). Start the tail at the
+        # last gamma + 1 committed tokens: the drafts of the next round stay inside it; the
+        # tokens between the old end and there are unread for one round, until its verify
+        # ranks them.
+        return sel.replace(end=jnp.maximum(sel.end, n - spec.gamma - 1))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -298,6 +312,9 @@ class Auto(Method):
 
     def update(self, spec, sel, scores, cache, n, n_acc):
         return self.base.update(spec, sel, scores, cache, n, n_acc)
+
+    def after_plain(self, spec, sel, n):
+        return self.base.after_plain(spec, sel, n)
 
     def extra_len(self) -> int:
         return getattr(self.base, "extra_len", lambda: 0)()

@@ -365,10 +365,13 @@ def speculative_generate(
                 run = decode_steps.lower(model.params, cfg, xc, ds, sampling,
                                          AutoController.VANILLA_STEPS).compile()
 
+                low = dataclasses.replace(spec, gamma=min(auto.gammas))
+
                 def vanilla(st):
                     ds, toks, done = run(model.params, DecodeState(st.cache, st.x0, st.key,
                                                                    st.progress))
-                    return (SpecState(ds.cache, ds.tok, ds.key, st.sel, ds.progress),
+                    sel = spec.method.after_plain(low, st.sel, ds.cache.lengths)
+                    return (SpecState(ds.cache, ds.tok, ds.key, sel, ds.progress),
                             (toks, done, None, None))
                 return vanilla
             sg = dataclasses.replace(spec, gamma=config)
