@@ -355,6 +355,21 @@ def test_auto_does_not_time_first_dispatches(monkeypatch):
         assert ts == pytest.approx([cost[c]] * len(ts)), (c, ts)
 
 
+def test_auto_ignores_acceptance_of_a_round_after_plain_steps():
+    """The first round after plain steps drafts from a selection older than those steps;
+    its acceptance (here none) must not drag the estimate of the rounds that follow (here
+    all accepted): tau(4) stays 5 (the old code counted it: 3)."""
+    from vegas_jax.selection import Auto
+    from vegas_jax.speculative import AutoController
+
+    ctl = AutoController(SpecConfig(method=Auto(gammas=(4,)), gamma=4))
+    ctl.runners = {c: (lambda st: (st, None)) for c in (0, 4)}
+    for c, n_acc in ((0, None), (4, np.array([0])), (4, np.array([4]))):
+        ctl.run(c, None)
+        ctl.read(n_acc, np.array([True]))
+    assert ctl.tau(4) == pytest.approx(5.0)
+
+
 def test_progress_stops_at_eos_and_limit():
     from vegas_jax.runtime import Progress
 

@@ -174,7 +174,9 @@ class AutoController:
     a switch never stalls the device. The first call of each executable loads its kernels
     on the host while it is dispatched (milliseconds on the GPU), so the interval in which
     that happens is not counted (`run` marks it, `read` drops it): counted, it made plain
-    steps look a third slower than they are at B = 1 on the H200 (BENCHMARKS.md)."""
+    steps look a third slower than they are at B = 1 on the H200 (BENCHMARKS.md). The
+    acceptance of a round that follows plain steps is not counted either: its drafts read a
+    selection that predates those steps."""
 
     WINDOW = 3
     VANILLA_STEPS = 8
@@ -194,6 +196,7 @@ class AutoController:
         self.in_flight: collections.deque = collections.deque()
         self.last_read = None
         self.skip_next = False  # the next read's interval holds a first dispatch
+        self.prev = None  # the configuration dispatched before the one being read
         self.calls = collections.Counter()
         self.runners: dict[int, Callable] = {}
         self.compile_s = 0.0
@@ -240,7 +243,10 @@ class AutoController:
             self.times[config].append(now - self.last_read)
         self.skip_next = False
         self.last_read = now
-        if config and n_acc is not None:
+        stale, self.prev = self.prev == 0, config
+        # a round right after plain steps drafts from a selection older than those steps
+        # (`Method.after_plain`): its acceptance says little about the next rounds'
+        if config and n_acc is not None and not stale:
             acc = n_acc[active]
             for j in range(1, config + 1):
                 self.trials[j] += (acc >= j - 1).sum()
