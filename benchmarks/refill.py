@@ -43,35 +43,40 @@ def main(argv=None) -> int:
     sp = SamplingParams(a.temperature, a.top_k, a.top_p)
     print(f"{a.prompts} prompts of {min(map(len, prompts))}-{max(map(len, prompts))} tokens, "
           f"{a.new_tokens} new, {a.slots} slots, T {a.temperature}")
-    print("| method | static batches tok/s | refilled slots tok/s | refilled / static | tau |")
-    print("|---|---|---|---|---|")
+    print("| method | static batches tok/s | refilled slots tok/s | refilled / static | tau | "
+          "refills in prefills |")
+    print("|---|---|---|---|---|---|")
     rows = []
     for m in a.methods.split(","):
         spec = SpecConfig(method=m, gamma=a.gamma)
 
         def static():
             toks, taus = 0, []
+            st = {}
             for i in range(0, a.prompts, a.slots):
                 r = speculative_generate(model, prompts[i:i + a.slots], a.new_tokens, spec, sp)
                 toks += sum(map(len, r.tokens))
                 taus.append(r.stats["tau"])
-            return toks, sum(taus) / len(taus)
+            return toks, sum(taus) / len(taus), st
 
         def refilled():
             r = speculative_generate(model, prompts, a.new_tokens, spec, sp, max_batch=a.slots)
-            return sum(map(len, r.tokens)), r.stats["tau"]
+            return sum(map(len, r.tokens)), r.stats["tau"], r.stats
 
         out = {}
         for name, fn in (("static", static), ("refilled", refilled)):
             fn()  # compiles
             jax.effects_barrier()
             t = time.perf_counter()
-            toks, tau = fn()
-            out[name] = (toks / (time.perf_counter() - t), tau)
+            toks, tau, st = fn()
+            out[name] = (toks / (time.perf_counter() - t), tau, st)
         s, r = out["static"][0], out["refilled"][0]
-        print(f"| {m} | {s:.0f} | {r:.0f} | {r / s:.2f}x | {out['refilled'][1]:.2f} |", flush=True)
+        st = out["refilled"][2]
+        print(f"| {m} | {s:.0f} | {r:.0f} | {r / s:.2f}x | {out['refilled'][1]:.2f} | "
+              f"{st['refills']} in {st['refill_prefills']} |", flush=True)
         rows.append({"method": m, "static_tok_s": s, "refilled_tok_s": r,
-                     "tau_static": out["static"][1], "tau_refilled": out["refilled"][1]})
+                     "tau_static": out["static"][1], "tau_refilled": out["refilled"][1],
+                     "refills": st["refills"], "refill_prefills": st["refill_prefills"]})
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"args": vars(a), "device": jax.devices()[0].device_kind, "rows": rows}, f,

@@ -9,7 +9,7 @@ import pytest
 from tests.tiny import tiny_model
 from vegas_jax import SpecConfig
 from vegas_jax.generate import generate
-from vegas_jax.runtime import put_slot
+from vegas_jax.runtime import put_slots
 from vegas_jax.speculative import speculative_generate
 
 NEW = 24
@@ -52,6 +52,21 @@ def test_speculative_refilled_slots_equal_each_prompt_alone(setup, method):
     assert streamed == alone
 
 
+@pytest.mark.parametrize("method", ["vanilla", "vegas"])
+def test_slots_freed_together_are_refilled_by_one_prefill(setup, method):
+    """8 slots, 12 prompts: the slots that finish in the same call are refilled in groups
+    of refill_group(8) = 2 prompts per prefill; tokens still equal each prompt alone."""
+    model, prompts, alone = setup
+    many, want = prompts * 2 + prompts[:2], alone * 2 + alone[:2]
+    if method == "vanilla":
+        res = generate(model, many, NEW, max_batch=8)
+    else:
+        res = speculative_generate(model, many, NEW, SpecConfig(method=method, gamma=3,
+                                                                 min_tokens=8), max_batch=8)
+    assert res.tokens == want
+    assert res.stats["refills"] == 4 and res.stats["refill_prefills"] < 4
+
+
 def test_one_slot_and_more_slots_than_prompts(setup):
     model, prompts, alone = setup
     one = speculative_generate(model, prompts[:3], NEW, SpecConfig(gamma=3, min_tokens=8),
@@ -69,7 +84,7 @@ def test_max_batch_must_be_a_positive_whole_number(setup, bad):
         generate(model, prompts, 4, max_batch=bad)
 
 
-def test_put_slot_replaces_one_row_of_every_batch_leaf():
+def test_put_slots_replaces_the_given_rows_of_every_batch_leaf():
     from flax import struct
 
     @struct.dataclass
@@ -78,8 +93,26 @@ def test_put_slot_replaces_one_row_of_every_batch_leaf():
         tok: jnp.ndarray  # [b]
         key: jnp.ndarray  # no batch axis
 
-    big = S(jnp.zeros((2, 4, 3)), jnp.zeros((4,), jnp.int32), jnp.arange(2))
-    one = S(jnp.ones((2, 1, 3)), jnp.full((1,), 7, jnp.int32), jnp.arange(2) + 5)
-    out = put_slot(big, one, jnp.int32(2))
-    assert out.cache[:, 2].tolist() == [[1.0] * 3] * 2 and float(out.cache.sum()) == 6.0
-    assert out.tok.tolist() == [0, 0, 7, 0] and out.key.tolist() == [0, 1]
+    def big():  # donated to put_slots: a fresh one each call
+        return S(jnp.zeros((2, 4, 3)), jnp.zeros((4,), jnp.int32), jnp.arange(2))
+
+    # a group of 2 rows (its last one padding) for slots 3 and 1
+    grp = S(jnp.stack([jnp.ones((2, 3)), 2 * jnp.ones((2, 3))], 1),  # rows of 1s and 2s
+            jnp.array([7, 9], jnp.int32), jnp.arange(2) + 5)
+    out = put_slots(big(), grp, jnp.array([3], jnp.int32))
+    assert out.cache[:, 3].tolist() == [[1.0] * 3] * 2 and float(out.cache.sum()) == 6.0
+    assert out.tok.tolist() == [0, 0, 0, 7] and out.key.tolist() == [0, 1]
+    out = put_slots(big(), grp, jnp.array([3, 1], jnp.int32))
+    assert out.tok.tolist() == [0, 9, 0, 7] and float(out.cache[:, 1].sum()) == 12.0
+
+
+def test_refill_groups_are_never_as_wide_as_the_batch():
+    """put_slots finds the batch axis by the sizes: a group of as many rows as the batch
+    would be ambiguous, so Refill pads it by one (and groups are powers of two else)."""
+    from vegas_jax.runtime import Refill, TokenCollector, refill_group
+
+    assert [refill_group(b) for b in (1, 2, 4, 7, 8, 64, 100)] == [1, 1, 1, 1, 2, 16, 16]
+    col = TokenCollector(4, 8, ())
+    r = Refill([], None, col)
+    assert [r.rows(k) for k in (1, 2, 3, 4)] == [1, 2, 5, 5]
+    assert Refill([], None, TokenCollector(1, 8, ())).rows(1) == 1

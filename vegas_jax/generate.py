@@ -17,7 +17,7 @@ from vegas_jax.execution import ExecConfig, model_jit
 from vegas_jax.model import forward
 from vegas_jax.runtime import (
     DecodeClock, GenerationResult, Progress, Refill, TokenCollector, decode_text, drive, eos_ids,
-    prefill_alone, prefill_prompts, start,
+    prefill_group, prefill_prompts, start,
 )
 from vegas_jax.sampling import SamplingParams, sample
 
@@ -91,12 +91,13 @@ def generate(
     collector.add([[t] for t in jax.device_get(tok)])
     prefill_s = time.perf_counter() - t0
 
-    def prefill_one(prompt):  # a waiting prompt, prefilled alone for a free slot
-        one, first, _ = prefill_alone(model, xc, ids[prompt], cache.max_len, None,
-                                      jax.random.fold_in(k0, prompt), sampling)
-        return DecodeState(one, first, key, Progress.start(first, max_new_tokens, eos)), first
+    def prefill_some(prompts, rows):  # waiting prompts, prefilled together for free slots
+        grp, first, _ = prefill_group(model, xc, [ids[p] for p in prompts], rows,
+                                      cache.max_len, None, jax.random.fold_in(k0, prompts[0]),
+                                      sampling)
+        return DecodeState(grp, first, key, Progress.start(first, max_new_tokens, eos)), first
 
-    refill = Refill(range(slots, len(ids)), prefill_one, collector) if len(ids) > slots else None
+    refill = Refill(range(slots, len(ids)), prefill_some, collector) if len(ids) > slots else None
     clock = DecodeClock(collector)
     if not collector.done.all() or refill is not None:
         drive(lambda st: (lambda s, toks, done: (s, (toks, done)))(
@@ -107,6 +108,7 @@ def generate(
         "batch": slots,
         "prompts": len(ids),
         "refills": refill.refills if refill else 0,
+        "refill_prefills": refill.prefills if refill else 0,  # calls: refills go in groups
         "prompt_tokens": [len(p) for p in ids],
         "prefill_s": prefill_s,
         **clock.stats(),

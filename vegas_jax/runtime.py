@@ -313,7 +313,9 @@ def start(model, prompts, max_new_tokens, sampling, extra_len, attn_impl, max_ba
     slots = min(len(ids), max_batch or len(ids))
     max_len = plan_cache_len(model.config, lens, max_new_tokens, extra_len)
     xc = exec_config(model, attn_impl)
-    check_memory(model, slots, max_len, max(lens), xc.attn)
+    # refills prefill into a group cache of up to refill_group(slots) rows beside the batch
+    extra = refill_group(slots) if len(ids) > slots else 0
+    check_memory(model, slots + extra, max_len, max(lens), xc.attn)
     cache = place_cache(init_cache(model.config, slots, max_len, param_dtype(model.params)),
                         xc.tp)
     return ids, cache, xc
@@ -390,53 +392,86 @@ class Progress:
         return jnp.where(keep, tokens, -1), self.replace(n_gen=n_gen, done=done)
 
 
+def refill_group(slots: int) -> int:
+    """The most freed slots refilled by one prefill: a power of two, a quarter of the slots
+    (a group's cache sits beside the batch's while it is prefilled), at least one."""
+    cap = 1
+    while cap * 2 <= max(1, slots // 4):
+        cap *= 2
+    return cap
+
+
 @functools.partial(jax.jit, donate_argnums=0)
-def put_slot(state, one, slot):
-    """`state` with slot `slot` replaced by the one-sequence state `one` (same pytree, batch
-    1; `one`'s own key is not used). Every batch leaf has exactly one axis where the two
-    shapes differ (batch vs 1); leaves without a batch axis keep `state`'s values."""
-    one = one.replace(key=state.key)
+def put_slots(state, group, slots):
+    """`state` with slots `slots` [k] replaced by rows 0..k-1 of the group state `group`
+    (same pytree, g >= k rows; `group`'s own key is not used). Every batch leaf has
+    exactly one axis where the two shapes differ (the batch: `Refill` keeps g != b); with
+    no such axis (g = b = k = 1) the group's leaf is taken whole."""
+    group = group.replace(key=state.key)
+    k = slots.shape[0]
 
     def put(big, small):
         axes = [a for a, (m, n) in enumerate(zip(big.shape, small.shape)) if m != n]
-        if not axes:  # no batch axis, or a batch of one slot
+        if not axes:  # no batch axis, or a batch of one slot refilled whole
             return small.astype(big.dtype)
-        return lax.dynamic_update_slice_in_dim(big, small.astype(big.dtype), slot, axes[0])
+        ax = axes[0]
+        rows = lax.slice_in_dim(small, 0, k, axis=ax).astype(big.dtype)
+        return big.at[(slice(None),) * ax + (slots,)].set(rows)
 
-    return jax.tree.map(put, state, one)
+    return jax.tree.map(put, state, group)
 
 
-def prefill_alone(model, xc: ExecConfig, ids: list[int], max_len: int,
+def prefill_group(model, xc: ExecConfig, prompts: list[list[int]], rows: int, max_len: int,
                   capture: Capture | None, key, sampling: SamplingParams):
-    """One prompt prefilled by itself, for a refilled slot: (its one-sequence cache of
-    `max_len` positions, its first token [1], its capture scores or None)."""
+    """Waiting prompts prefilled together for freed slots, padded to `rows` sequences
+    (repeats of the last prompt, which the caller drops) and to their longest prompt, so
+    few shapes compile however the slots free up. Returns (their cache of `max_len`
+    positions, first tokens [rows], capture scores [L, rows, s] or None)."""
     cfg = model.config
-    one = place_cache(init_cache(cfg, 1, max_len, param_dtype(model.params)), xc.tp)
-    logits, one, scores = prefill_prompts(model.params, cfg, xc, [ids], one, capture)
+    ids = list(prompts) + [prompts[-1]] * (rows - len(prompts))
+    cache = place_cache(init_cache(cfg, rows, max_len, param_dtype(model.params)), xc.tp)
+    tokens, lens = pad_prompts(ids)
+    logits, cache, scores = prefill(model.params, cfg, xc, tokens, lens, cache, capture,
+                                    prefill_chunk(*tokens.shape))
     first, _ = sample(key, logits, sampling)
-    return one, first, scores
+    return cache, first, scores
 
 
 class Refill:
-    """Keeps the batch full: after each output is read, every finished slot gets the next
-    waiting prompt. `make(prompt)` prefills that prompt alone and returns (its one-sequence
-    decoding state, its first token [1]); both stay on the device (no host wait)."""
+    """Keeps the batch full: after each output is read, the finished slots get the next
+    waiting prompts, prefilled together in groups of up to `refill_group(slots)` (a
+    prefill of many prompts costs far less per token than many prefills of one).
+    `make(prompts, rows)` prefills them as a group of `rows` sequences and returns (its
+    decoding state, its first tokens [rows]); both stay on the device (no host wait)."""
 
     def __init__(self, waiting: Sequence[int], make: Callable, collector: TokenCollector):
         self.waiting = list(waiting)
         self.make = make
         self.collector = collector
         self.refills = 0
+        self.prefills = 0
+
+    def rows(self, k: int) -> int:
+        """Rows of a group of k prompts: a power of two (few compiled shapes), never the
+        batch size unless both are one (`put_slots` finds the batch axis by the sizes)."""
+        b = len(self.collector.done)
+        rows = 1
+        while rows < k:
+            rows *= 2
+        return rows + 1 if rows == b and b > 1 else rows
 
     def __call__(self, state):
-        for slot in np.nonzero(self.collector.done)[0]:
-            if not self.waiting:
-                break
-            prompt = self.waiting.pop(0)
-            one, first = self.make(prompt)
-            state = put_slot(state, one, jnp.int32(slot))
-            self.collector.assign(int(slot), prompt, first)
-            self.refills += 1
+        free = [int(s) for s in np.nonzero(self.collector.done)[0]][:len(self.waiting)]
+        cap = refill_group(len(self.collector.done))
+        for at in range(0, len(free), cap):
+            slots = free[at:at + cap]
+            prompts = [self.waiting.pop(0) for _ in slots]
+            group, first = self.make(prompts, self.rows(len(slots)))
+            state = put_slots(state, group, jnp.asarray(slots, jnp.int32))
+            for i, (slot, prompt) in enumerate(zip(slots, prompts)):
+                self.collector.assign(slot, prompt, first[i:i + 1])
+            self.refills += len(slots)
+            self.prefills += 1
         return state
 
 

@@ -24,7 +24,7 @@ from vegas_jax.generate import DecodeState, decode_steps, generate
 from vegas_jax.model import forward
 from vegas_jax.runtime import (
     DecodeClock, GenerationResult, Progress, Refill, TokenCollector, decode_text, drive,
-    eos_ids, prefill_alone, prefill_prompts, start,
+    eos_ids, prefill_group, prefill_prompts, start,
 )
 from vegas_jax.sampling import SamplingParams, accept, sample
 from vegas_jax.selection import SCORES, Auto, Method, method_named
@@ -390,14 +390,14 @@ def speculative_generate(
 
         auto.prepare(make)
 
-    def prefill_one(prompt):  # a waiting prompt, prefilled alone for a free slot
-        one, first, sc = prefill_alone(model, xc, ids[prompt], cache.max_len,
-                                       prefill_capture(spec), jax.random.fold_in(k0, prompt),
-                                       sampling)
-        return init_state(spec, one, first, key, sc, one.lengths + 0,
+    def prefill_some(prompts, rows):  # waiting prompts, prefilled together for free slots
+        grp, first, sc = prefill_group(model, xc, [ids[p] for p in prompts], rows,
+                                       cache.max_len, prefill_capture(spec),
+                                       jax.random.fold_in(k0, prompts[0]), sampling)
+        return init_state(spec, grp, first, key, sc, grp.lengths + 0,
                           Progress.start(first, max_new_tokens, eos)), first
 
-    refill = Refill(range(batch, len(ids)), prefill_one, collector) if len(ids) > batch else None
+    refill = Refill(range(batch, len(ids)), prefill_some, collector) if len(ids) > batch else None
     clock = DecodeClock(collector)
     if not collector.done.all() or refill is not None:
         drive(step, state, collector, clock, on_out=count, refill=refill)
@@ -415,6 +415,7 @@ def speculative_generate(
         "batch": batch,
         "prompts": len(ids),
         "refills": refill.refills if refill else 0,
+        "refill_prefills": refill.prefills if refill else 0,  # calls: refills go in groups
         "prompt_tokens": [len(p) for p in ids],
         "prefill_s": prefill_s,
         **clock.stats(),
