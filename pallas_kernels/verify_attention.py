@@ -7,7 +7,8 @@ chosen query rows only, averaged over all query heads of the layer.
 Shapes: q [b, t, k, g, d]; cache k/v [L, b, k, s, d] (the full stacked cache plus a layer
 index, so no per-layer slab is copied); q_pos [b, t] (row t sees keys s <= q_pos[b, t]).
 Scores: [b, s] fp32 for capture="mean" (mean over heads and capture rows), [b, r, s] for
-capture="rows" (mean over heads, one per capture row).
+capture="rows" (mean over heads, one per capture row), [b, k, s] for capture="heads" (mean
+over capture rows and each KV head's query heads: a selection per KV head).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from jax.experimental.pallas import triton as pltr
 
 from pallas_kernels.common import NEG, combine_splits, dot, pow2_at_least, whole
 
-CAPTURE_MODES = ("none", "mean", "rows")
+CAPTURE_MODES = ("none", "mean", "rows", "heads")
 SCORE_KINDS = ("weight", "logit")
 
 
@@ -43,6 +44,8 @@ def _scores_from_logits(logits, lse, valid, rows, score, capture):
         per = jnp.exp(sel - lse[:, :, :, list(rows), None])
     else:
         per = jnp.where(vis, sel, 0.0)
+    if capture == "heads":
+        return per.mean(axis=(2, 3))  # [b, k, s]
     per = per.mean(axis=(1, 2))  # [b, r, s]
     return per.mean(axis=1) if capture == "mean" else per
 
@@ -384,7 +387,7 @@ def verify_attention(
             cap = ("logits", n_cap, crow)
         else:  # linear in the logits: reduce over heads (and rows) in the kernel
             mult = [cap_list.count(u) / len(cap_list) for u in uniq]
-            if capture == "mean":
+            if capture in ("mean", "heads"):
                 weights = (tuple(mult[r // g] if r < n_cap else 0.0 for r in range(crow)),)
             else:
                 weights = tuple(tuple(1.0 if r // g == i and r < n_cap else 0.0
@@ -416,11 +419,18 @@ def verify_attention(
         # keys past a row's position hold stale (or never written) logits
         valid = ar[None, None, :] <= pos_c[:, :, None]  # [b, nu, s]
         per = jnp.where(valid[:, None, :, None, :], jnp.exp2(logits - lse_c[..., None]), 0.0)
+        if capture == "heads":
+            per = per.mean(axis=3)  # [b, kh, nu, s]
+            rows_w = jnp.asarray([cap_list.count(u) / len(cap_list) for u in uniq])
+            return out, jnp.einsum("bkus,u->bks", per, rows_w)
         per = per.mean(axis=(1, 3))  # [b, nu, s]
         sel = per[:, jnp.array([uniq.index(r) for r in cap_list])]  # [b, r, s]
         return out, (sel.mean(axis=1) if capture == "mean" else sel)
     n_out = len(cap[3])  # tot below: [b, n_out, s]
     # the kernel summed log2-unit logits: _LN2 converts back to natural-log logits
+    if capture == "heads":  # [b, kh, s]: keys past every capture row were never written
+        per = cbuf.reshape(b, kh, n_out, -1)[:, :, 0, :s] * (_LN2 / g)
+        return out, jnp.where(ar[None, None, :] <= pos_c.max(axis=1)[:, None, None], per, 0.0)
     tot = cbuf.reshape(b, kh, n_out, -1)[..., :s].sum(axis=1) * (_LN2 / (kh * g))
     if capture == "mean":  # keys past every capture row's position were never written
         return out, jnp.where(ar[None, :] <= pos_c.max(axis=1)[:, None], tot[:, 0], 0.0)

@@ -20,7 +20,7 @@ from vegas_jax.speculative import SpecConfig
 from vegas_jax.speculative import speculative_generate
 from tests.tiny import tiny_model
 
-METHODS = ["vegas", "vegas-all", "last", "stream", "quest"]
+METHODS = ["vegas", "vegas-all", "vegas-heads", "last", "stream", "quest"]
 XLA = ExecConfig(attn="xla", gemm="triton", layers="scan")
 
 
@@ -400,7 +400,8 @@ def test_drive_keeps_one_call_in_flight():
     assert events[-1] == ("read", 2)
 
 
-@pytest.mark.parametrize("method,draft", [("vegas", "fused"), ("stream", "split")])
+@pytest.mark.parametrize("method,draft", [("vegas", "fused"), ("stream", "split"),
+                                         ("vegas-heads", "fused")])
 def test_pallas_kernels_end_to_end_equal_the_xla_path(monkeypatch, method, draft):
     """speculative_generate through the Pallas kernels (interpret mode on the CPU: prefill,
     verify with capture, sparse drafts as one fused kernel a layer or split around the

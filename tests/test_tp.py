@@ -45,10 +45,10 @@ def model(tp, attn="xla"):
     return TinyModel(cfg, placed, None, ExecConfig(attn=attn, tp=tp).resolve()), shards
 
 out = {}
-for tp, attn, methods in [(1, "xla", ("vegas", "stream", "quest")),
+for tp, attn, methods in [(1, "xla", ("vegas", "stream", "quest", "vegas-heads")),
                           (2, "xla", ("vegas", "quest", "auto")),
                           (4, "xla", ("stream",)),
-                          (2, "pallas", ("vegas",))]:
+                          (2, "pallas", ("vegas", "vegas-heads"))]:
     m, shards = model(tp, attn)
     key = f"{tp}-{attn}"
     out[key] = {"shards": shards, "vanilla": generate(m, prompts, 10).tokens}
@@ -80,7 +80,7 @@ def test_tp_equals_one_device(runs, key):
     assert got["vanilla"] == ref["vanilla"]
     if "refill" in got:  # a slot refilled under tp
         assert got["refill"] == ref["vanilla"] + ref["vanilla"][:1]
-    for meth in ("vegas", "stream", "quest", "auto"):
+    for meth in ("vegas", "stream", "quest", "auto", "vegas-heads"):
         if meth in got:
             assert got[meth][0] == ref["vanilla"], meth  # lossless
             if meth != "auto":  # auto's choices depend on timings

@@ -55,6 +55,9 @@ CASES = [
     (1, 2, 2, 8, 64, 70, 0, jnp.bfloat16, (69, 20), "none", (0,), "weight"),  # decode
     # in-kernel logit reduction with a duplicated capture row (weights 1/3, 2/3)
     (2, 2, 2, 4, 64, 90, 3, jnp.float32, (5, 80), "mean", (0, 3, 3), "logit"),
+    # one score vector per KV head (a selection per head): weights, and logits in-kernel
+    (2, 2, 3, 3, 64, 120, 4, jnp.float32, (30, 100), "heads", (0, 4), "weight"),
+    (2, 2, 2, 4, 64, 90, 3, jnp.bfloat16, (5, 80), "heads", (0, 3, 3), "logit"),
 ]
 
 

@@ -33,7 +33,8 @@ class Capture:
 
     rows: query rows (token indices of the forward) whose attention is captured.
     reduce: "mean" averages them into one score vector per (layer, sequence); "rows" keeps
-      one per row (the row to use is known only after acceptance).
+      one per row (the row to use is known only after acceptance); "heads" averages the
+      rows and each KV head's query heads: one vector per (layer, sequence, KV head).
     score: "weight" = softmax weights averaged over all query heads; "logit" = raw logits.
     """
 
@@ -42,8 +43,8 @@ class Capture:
     score: str = "weight"
 
     def __post_init__(self):
-        if self.reduce not in ("mean", "rows"):
-            raise ValueError(f"reduce must be 'mean' or 'rows', got {self.reduce!r}")
+        if self.reduce not in ("mean", "rows", "heads"):
+            raise ValueError(f"reduce must be 'mean', 'rows' or 'heads', got {self.reduce!r}")
         if self.score not in SCORES:
             raise ValueError(f"score must be one of {SCORES}, got {self.score!r}")
 
@@ -90,14 +91,16 @@ def attention(plan: AttnPlan, xc, q, k_cache, v_cache, layer, positions):
                                          score=cap.score)
         fn = verify_attention if xc.attn == "pallas" else verify_attention_reference
 
+        heads = cap is not None and cap.reduce == "heads"
+
         def local(q, k_cache, v_cache, layer, positions):
             out, scores = fn(q, k_cache, v_cache, layer, positions, **kw)
-            if scores is not None and xc.tp > 1 and xc.attn == "pallas":
+            if scores is not None and xc.tp > 1 and xc.attn == "pallas" and not heads:
                 scores = lax.pmean(scores, AXIS)  # every device holds as many heads
             return out, scores
 
-        return per_device(local, xc, (HEADS5, HEADS5, HEADS5, REP, REP),
-                          (HEADS5, None if cap is None else REP))(
+        sspec = None if cap is None else P(None, AXIS, None) if heads else REP
+        return per_device(local, xc, (HEADS5, HEADS5, HEADS5, REP, REP), (HEADS5, sspec))(
             q, k_cache, v_cache, layer, positions)
     if plan.mode == "sparse":
         idx, count, at = plan.idx, plan.count, (layer if plan.layered else 0)
@@ -142,7 +145,10 @@ def sparse_block(plan: AttnPlan, xc, cfg, qkv, q_norm, k_norm, rope, k_cache, v_
                            eps=cfg.rms_norm_eps, idx_layer=at)
 
     cols = P(None, None, AXIS)
-    return per_device(local, xc, (cols, REP, REP, REP, HEADS5, HEADS5, REP, REP, REP, REP,
+    per_head = plan.idx.ndim == 4  # [Li, b, k, K]: split with the heads
+    ispec = P(None, None, AXIS, None) if per_head else REP
+    cspec = P(None, None, AXIS) if per_head else REP
+    return per_device(local, xc, (cols, REP, REP, REP, HEADS5, HEADS5, REP, ispec, cspec, REP,
                                   REP, REP), (HEADS5, HEADS5, HEADS5))(
         qkv, q_norm, k_norm, rope, k_cache, v_cache, layer, plan.idx, plan.count, plan.tail_start,
         positions[:, 0], layer if plan.layered else 0)

@@ -56,11 +56,13 @@ def budget(spec, n, max_len: int):
 def select_topk(scores, r_end, spec, max_len: int):
     """Per (layer, sequence) top-`budget` over the ranked range 0..r_end.
 
-    scores [L, b, s]; r_end [b]. Returns idx [L, b, K] (the best `count` first; entries
-    past count are valid positions that the draft masks) and count [L, b].
+    scores [L, b, s], or [L, b, k, s] for one selection per KV head; r_end [b]. Returns idx
+    [L, b, (k,) K] (the best `count` first; entries past count are valid positions that
+    the draft masks) and count [L, b, (k)].
     """
     s = scores.shape[-1]
-    ranked = jnp.arange(s)[None, None, :] <= r_end[None, :, None]
+    r_end = r_end.reshape((1, -1) + (1,) * (scores.ndim - 2))  # against [L, b, (k,) s]
+    ranked = jnp.arange(s) <= r_end
     scores = jnp.where(ranked, scores, -jnp.inf)
     # Threshold select (exact up to ties, one call for all layers): 2-3x cheaper than
     # lax.top_k on the H200 at these sizes (BENCHMARKS.md, kernels run 3).
@@ -69,7 +71,7 @@ def select_topk(scores, r_end, spec, max_len: int):
     # the K winners by score (a sort of K, not of the context).
     _, order = lax.top_k(jnp.take_along_axis(scores, idx, axis=-1), idx.shape[-1])
     idx = jnp.take_along_axis(idx, order, axis=-1)
-    count = jnp.broadcast_to(budget(spec, r_end, max_len)[None, :], scores.shape[:2])
+    count = jnp.broadcast_to(budget(spec, r_end[..., 0], max_len), scores.shape[:-1])
     return idx.astype(jnp.int32), count
 
 
@@ -107,8 +109,8 @@ class Method:
 
 @struct.dataclass
 class TopK:
-    idx: jax.Array  # [L, b, K] positions, best first
-    count: jax.Array  # [L, b]
+    idx: jax.Array  # [L, b, K] positions, best first ([L, b, k, K]: one list per KV head)
+    count: jax.Array  # [L, b] ([L, b, k])
     end: jax.Array  # [b] first position after the ranked range
 
 
@@ -116,21 +118,30 @@ class TopK:
 class VerifyGuided(Method):
     """Vegas and its variants: the verify pass's own attention ranks the context, per layer.
     rows: "pair" (rows 0 and gamma, the paper's Collect-2-Query), "all" (every verify row)
-    or "last" (the row of the last accepted token, SpecExtend-style)."""
+    or "last" (the row of the last accepted token, SpecExtend-style).
+    heads: one index set per KV head, ranked by that head's query heads only (as SparseSpec
+    does), instead of one per layer from all heads; the same entries per head, so the
+    same bytes per draft step."""
 
     rows: str = "pair"
+    heads: bool = False
     NAMES: ClassVar[dict] = {"pair": "vegas", "all": "vegas-all", "last": "last"}
 
     def __post_init__(self):
         if self.rows not in self.NAMES:
             raise ValueError(f"rows must be one of {tuple(self.NAMES)}, got {self.rows!r}")
+        if self.heads and self.rows == "last":
+            raise ValueError("heads=True needs rows 'pair' or 'all'")
 
     @property
     def name(self) -> str:  # type: ignore[override]
-        return self.NAMES[self.rows]
+        return self.NAMES[self.rows] + ("-heads" if self.heads else "")
 
     def capture(self, spec):
         every = tuple(range(spec.gamma + 1))
+        if self.heads:
+            return Capture((0, spec.gamma) if self.rows == "pair" else every, "heads",
+                           spec.score)
         if self.rows == "pair":
             return Capture((0, spec.gamma), "mean", spec.score)
         return Capture(every, "mean" if self.rows == "all" else "rows", spec.score)
@@ -331,6 +342,7 @@ class Vanilla(Method):
 METHODS: dict[str, Method] = {
     "vegas": VerifyGuided("pair"),
     "vegas-all": VerifyGuided("all"),
+    "vegas-heads": VerifyGuided("pair", heads=True),
     "last": VerifyGuided("last"),
     "stream": Stream(),
     "quest": Quest(),

@@ -151,7 +151,9 @@ def init_state(spec: SpecConfig, cache: KVCache, x0, key, scores, lens,
 def prefill_capture(spec: SpecConfig) -> Capture | None:
     """The prefill's capture: the last prompt token's row, when the method ranks anything."""
     cap = spec.method.capture(spec)
-    return None if cap is None else Capture((0,), "mean", cap.score)
+    if cap is None:
+        return None
+    return Capture((0,), "heads" if cap.reduce == "heads" else "mean", cap.score)
 
 
 class AutoController:
