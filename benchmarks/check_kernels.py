@@ -79,8 +79,8 @@ def check_step(case, key):
         10000.0 ** (-jnp.arange(0, d, 2) / d))[None, None, :]
     emb = jnp.concatenate([emb, emb], -1)
     kw = dict(tail_len=W, num_heads=kh * g, qk_norm=qk_norm, idx_layer=jnp.int32(L - 2))
-    args = (qkv, norms[0], norms[1], rope_halves(jnp.cos(emb), jnp.sin(emb)), kc, vc, jnp.int32(L - 1), idx, count,
-            tail_start, q_pos)
+    args = (qkv, norms[0], norms[1], rope_halves(jnp.cos(emb), jnp.sin(emb)), kc, vc,
+            jnp.int32(L - 1), idx, count, tail_start, q_pos)
     ref = jax.jit(lambda *a: sparse_step_reference(*a, **kw))(*args)
     out = jax.jit(lambda *a: sparse_step(*a, **kw, blocks=StepBlocks(whole_from=unsplit)),
                   donate_argnums=(4, 5))(*args)

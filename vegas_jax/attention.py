@@ -74,6 +74,14 @@ HEADS5 = P(None, None, AXIS, None, None)  # q [b, t, k, g, d], caches [L, b, k, 
 REP = P()
 
 
+def index_specs(idx):
+    """Tensor-parallel specs of a sparse draft's (index lists, counts): per-KV-head lists
+    ([Li, b, k, K]) split with the heads, shared ones ([Li, b, K]) replicated."""
+    if idx.ndim == 4:
+        return P(None, None, AXIS, None), P(None, None, AXIS)
+    return REP, REP
+
+
 def per_device(fn, xc, in_specs, out_specs):
     """`fn` on each device's shard (tp > 1, Pallas path), else `fn` itself."""
     if xc.tp == 1 or xc.attn != "pallas":
@@ -108,9 +116,7 @@ def attention(plan: AttnPlan, xc, q, k_cache, v_cache, layer, positions):
             idx, count = plan.picker.pick(q, plan.picker_inputs, layer, plan.tail_start)
             idx, count, at = idx[None], count[None], 0
         fn = sparse_attention if xc.attn == "pallas" else sparse_attention_reference
-        per_head = idx.ndim == 4  # [Li, b, k, K]: split with the heads
-        ispec = P(None, None, AXIS, None) if per_head else REP
-        cspec = P(None, None, AXIS) if per_head else REP
+        ispec, cspec = index_specs(idx)
 
         def local(q, k_cache, v_cache, layer, idx, count, tail_start, q_pos, at):
             return fn(q, k_cache, v_cache, layer, idx, count, tail_start, q_pos,
@@ -145,9 +151,7 @@ def sparse_block(plan: AttnPlan, xc, cfg, qkv, q_norm, k_norm, rope, k_cache, v_
                            eps=cfg.rms_norm_eps, idx_layer=at)
 
     cols = P(None, None, AXIS)
-    per_head = plan.idx.ndim == 4  # [Li, b, k, K]: split with the heads
-    ispec = P(None, None, AXIS, None) if per_head else REP
-    cspec = P(None, None, AXIS) if per_head else REP
+    ispec, cspec = index_specs(plan.idx)
     return per_device(local, xc, (cols, REP, REP, REP, HEADS5, HEADS5, REP, ispec, cspec, REP,
                                   REP, REP), (HEADS5, HEADS5, HEADS5))(
         qkv, q_norm, k_norm, rope, k_cache, v_cache, layer, plan.idx, plan.count, plan.tail_start,

@@ -15,6 +15,7 @@ import numpy as np
 from flax import struct
 from jax import lax
 
+from pallas_kernels.common import pow2_at_least
 from vegas_jax.attention import CAUSAL, AttnPlan, Capture
 from vegas_jax.cache import KVCache, cache_bytes, init_cache
 from vegas_jax.config import ModelConfig
@@ -455,9 +456,7 @@ class Refill:
         """Rows of a group of k prompts: a power of two (few compiled shapes), never the
         batch size unless both are one (`put_slots` finds the batch axis by the sizes)."""
         b = len(self.collector.done)
-        rows = 1
-        while rows < k:
-            rows *= 2
+        rows = pow2_at_least(k, lo=1)
         return rows + 1 if rows == b and b > 1 else rows
 
     def __call__(self, state):
