@@ -195,7 +195,8 @@ def _chunk_attention(q_parts, k_ref, v_ref, idx_ref, cnt_ref, ts_ref, layer, il,
 
 def _sparse_kernel(layer_ref, il, q_ref, idx_ref, cnt_ref, ts_ref, qp_ref, k_ref, v_ref,
                    o_ref, m_ref, l_ref, *, per_head, **kw):
-    # layer_ref [1] (cache layer); il the index layer (`_layer_inputs`); q_ref [rows, d]; idx_ref [Li, b, k|1, K];
+    # layer_ref [1] (cache layer); il the index layer (`_layer_inputs`); q_ref [rows, d];
+    # idx_ref [Li, b, k|1, K];
     # cnt_ref [Li, b, k|1]; ts_ref, qp_ref [b]; k_ref, v_ref [L, b, k, s, d];
     # o_ref [rows, d], m_ref, l_ref [rows]
     bi, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)

@@ -336,6 +336,7 @@ def verify_attention(
     s = k_cache.shape[3]
     cap_list = [int(r) % t for r in capture_rows] if capture != "none" else []
     uniq = sorted(set(cap_list))
+    mult = [cap_list.count(u) / len(cap_list) for u in uniq]  # each unique row's share
 
     if prefill_impl == "cudnn" and t * g > blocks.max_rows:
         out = _prefill_cudnn(q, k_cache, v_cache, layer)
@@ -386,7 +387,6 @@ def verify_attention(
         if score == "weight":  # needs the final LSE: store logits, finish in XLA
             cap = ("logits", n_cap, crow)
         else:  # linear in the logits: reduce over heads (and rows) in the kernel
-            mult = [cap_list.count(u) / len(cap_list) for u in uniq]
             if capture in ("mean", "heads"):
                 weights = (tuple(mult[r // g] if r < n_cap else 0.0 for r in range(crow)),)
             else:
@@ -421,8 +421,7 @@ def verify_attention(
         per = jnp.where(valid[:, None, :, None, :], jnp.exp2(logits - lse_c[..., None]), 0.0)
         if capture == "heads":
             per = per.mean(axis=3)  # [b, kh, nu, s]
-            rows_w = jnp.asarray([cap_list.count(u) / len(cap_list) for u in uniq])
-            return out, jnp.einsum("bkus,u->bks", per, rows_w)
+            return out, jnp.einsum("bkus,u->bks", per, jnp.asarray(mult, jnp.float32))
         per = per.mean(axis=(1, 3))  # [b, nu, s]
         sel = per[:, jnp.array([uniq.index(r) for r in cap_list])]  # [b, r, s]
         return out, (sel.mean(axis=1) if capture == "mean" else sel)
