@@ -27,6 +27,13 @@ CANDIDATES = [
     ("whole bk64 w4", StepBlocks(whole=SparseBlocks(), whole_from=1)),
     ("whole bk128 w4 s3", StepBlocks(whole_from=1)),
     ("whole bk128 w4 s2", StepBlocks(whole=SparseBlocks(block_k=128), whole_from=1)),
+    ("whole bk128 w8 s3", StepBlocks(whole=SparseBlocks(block_k=128, num_warps=8,
+                                                        num_stages=3), whole_from=1)),
+    ("whole bk256 w8 s2", StepBlocks(whole=SparseBlocks(block_k=256, num_warps=8),
+                                     whole_from=1)),
+    ("whole bk256 w4 s2", StepBlocks(whole=SparseBlocks(block_k=256), whole_from=1)),
+    ("whole bk128 w2 s3", StepBlocks(whole=SparseBlocks(block_k=128, num_warps=2,
+                                                        num_stages=3), whole_from=1)),
 ]
 
 

@@ -27,6 +27,33 @@ def pow2_at_least(n: int, lo: int = 16) -> int:
     return p
 
 
+SMEM_BYTES = 227 * 1024  # shared memory one SM gives its blocks (Hopper)
+
+
+def sm_count() -> int:
+    """Streaming multiprocessors of the default device (132 on an H200; also the figure
+    used where JAX reports none, e.g. the CPU in interpret mode)."""
+    import jax
+
+    return int(getattr(jax.devices()[0], "core_count", 0) or 132)
+
+
+def wave_splits(per: int, s: int, block_k: int, j0: int, j_max: int, resident: int) -> int:
+    """Key splits of s keys (whole blocks of block_k) for `per` programs per split: from
+    j0 (the target grid) to j_max or 1.5 * j0, the count whose grid fills its last wave
+    best, `resident` programs running at once (the fewest splits among equals: each costs
+    a combine). A grid of 576 programs on 264 slots runs 3 waves, the last 18 % full; 768
+    runs 3 full ones."""
+    best, best_eff = j0, 0.0
+    for j in range(j0, min(j_max, -(-3 * j0 // 2)) + 1):
+        split = -(-(-(-s // j)) // block_k) * block_k
+        p = per * -(-s // split)  # the splits actually made
+        eff = p / (-(-p // resident) * resident)
+        if eff > best_eff + 1e-9:
+            best, best_eff = j, eff
+    return best
+
+
 def whole(shape):
     """The whole array as one block: on the GPU just a pointer (no copy of a cache slab);
     the kernel indexes it itself."""

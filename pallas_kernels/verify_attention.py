@@ -23,7 +23,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
-from pallas_kernels.common import NEG, combine_splits, dot, pow2_at_least, whole
+from pallas_kernels.common import (
+    NEG, SMEM_BYTES, combine_splits, dot, pow2_at_least, sm_count, wave_splits, whole,
+)
 
 CAPTURE_MODES = ("none", "mean", "rows", "heads")
 SCORE_KINDS = ("weight", "logit")
@@ -126,7 +128,9 @@ class VerifyBlocks:
     4 warps up to 64 rows per program, else 8; 3 stages for verify / decode, else 2);
     max_rows: largest t * g handled as one query block; row_block: rows per program in
     prefill; target_programs: grid size aimed at when choosing the number of key splits;
-    min_split: shortest key split; cap_dtype: dtype of the captured logits (score="weight")."""
+    min_split: shortest key split; cap_dtype: dtype of the captured logits (score="weight");
+    waves: choose the split count by `wave_splits` (H200, SmolLM2 B 64 verify with capture:
+    165 -> 145 us a layer; `benchmarks.tune_verify`, BENCHMARKS.md 2026-12-01 c)."""
 
     block_k: int | None = None
     num_warps: int | None = None
@@ -136,6 +140,7 @@ class VerifyBlocks:
     target_programs: int = 528
     min_split: int = 512
     cap_dtype: Any = jnp.float16
+    waves: bool = True  # more splits (up to 2x) where they fill the grid's last wave
 
 
 def _verify_kernel(layer_ref, q_ref, rowpos_ref, k_ref, v_ref, *refs, block_k, split_len,
@@ -293,9 +298,11 @@ def _verify_call(layer, qr, rowpos, k_cache, v_cache, *, rows, n_splits, split_l
     return (*res, None)
 
 
-def _plan(b, kh, t, g, s, *, max_rows, row_block, target_programs, block_k, min_split):
+def _plan(b, kh, t, g, s, *, max_rows, row_block, target_programs, block_k, min_split,
+          resident=None):
     """Static launch plan: (rows per program, tokens per query block, query blocks, splits,
-    split length)."""
+    split length). resident: programs the GPU runs at once; given, the split count is
+    chosen to fill the last wave (`wave_splits`)."""
     if t * g <= max_rows:
         rows = pow2_at_least(t * g)
         tq = t
@@ -306,6 +313,8 @@ def _plan(b, kh, t, g, s, *, max_rows, row_block, target_programs, block_k, min_
     per = b * kh * nqb
     max_splits = max(1, -(-s // max(min_split, block_k)))
     j = max(1, min(max_splits, -(-target_programs // per)))
+    if resident:
+        j = wave_splits(per, s, block_k, j, max_splits, resident)
     split_len = pl.cdiv(pl.cdiv(s, j), block_k) * block_k
     j = -(-s // split_len)
     return rows, tq, nqb, j, split_len
@@ -352,12 +361,18 @@ def verify_attention(
     decode_like = t * g <= blocks.max_rows
     bk = blocks.block_k or (128 if decode_like else 64)
     bk = min(bk, pow2_at_least(s))
+    stages = blocks.num_stages or (3 if decode_like else 2)
+    # programs resident per SM, as shared memory allows: the K and V tiles of each stage
+    per_sm = max(1, SMEM_BYTES // (stages * 2 * bk * d * k_cache.dtype.itemsize))
     rows, tq, nqb, n_splits, split_len = _plan(
         b, kh, t, g, s, max_rows=blocks.max_rows, row_block=blocks.row_block,
-        target_programs=blocks.target_programs, block_k=bk, min_split=blocks.min_split)
+        target_programs=blocks.target_programs, block_k=bk, min_split=blocks.min_split,
+        # measured at head dim 64 (two programs an SM): B 64 verify 165 -> 145 us a layer;
+        # at head dim 128 (one an SM) the wave-filling split count measured 3 % slower
+        resident=sm_count() * per_sm if blocks.waves and decode_like and per_sm > 1 else None)
     resolved = dataclasses.replace(
         blocks, block_k=bk, num_warps=blocks.num_warps or (4 if rows <= 64 else 8),
-        num_stages=blocks.num_stages or (3 if decode_like else 2))
+        num_stages=stages)
 
     # capture tokens first, so their rows are the first n_cap rows of query block 0
     perm = uniq + [i for i in range(t) if i not in uniq]

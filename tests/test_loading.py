@@ -7,6 +7,7 @@ import copy
 import dataclasses
 import json
 import shutil
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -168,7 +169,10 @@ def test_bf16_sharded_safetensors(tiny_hf, tmp_path):
     copy.deepcopy(hf_model).to(torch.bfloat16).save_pretrained(
         str(d), safe_serialization=True, max_shard_size="40KB")
     assert len(list(d.glob("*.safetensors"))) > 1 and (d / "model.safetensors.index.json").is_file()
-    m = load_model(checkpoint=d, dtype="fp32")
+    from vegas_jax.checkpoint.hf import load_hf_checkpoint
+
+    _, m = load_hf_checkpoint(d, jnp.float32)  # the reader's params, norms not yet folded
+    m = SimpleNamespace(params=m)
     sd = {k: v.to(torch.bfloat16).float().numpy() for k, v in hf_model.state_dict().items()}
     np.testing.assert_array_equal(np.asarray(m.params.embed), sd["model.embed_tokens.weight"])
     wq = sd["model.layers.1.self_attn.q_proj.weight"].T
@@ -180,9 +184,19 @@ def test_bf16_sharded_safetensors(tiny_hf, tmp_path):
     np.testing.assert_array_equal(np.asarray(m.params.lm_head), sd["lm_head.weight"].T)
     np.testing.assert_array_equal(np.asarray(m.params.layers.w_down[0]),
                                   sd["model.layers.0.mlp.down_proj.weight"].T)
-    # bf16 on disk -> bf16 in memory is a pure copy.
+    np.testing.assert_array_equal(np.asarray(m.params.layers.attn_norm[1]),
+                                  sd["model.layers.1.input_layernorm.weight"])
+    # Loaded for running, each norm weight is folded into the projection it feeds (one
+    # rounding of the product); bf16 on disk -> bf16 in memory is then the same rounding.
+    run = load_model(checkpoint=d, dtype="fp32")
+    assert run.params.layers.attn_norm is None and run.params.layers.mlp_norm is None
+    np.testing.assert_array_equal(np.asarray(run.params.layers.w_qkv[1, :, :wq.shape[1]]),
+                                  sd["model.layers.1.input_layernorm.weight"][:, None] * wq)
+    np.testing.assert_array_equal(
+        np.asarray(run.params.layers.w_gate_up[0, :, -up.shape[1]:]),
+        sd["model.layers.0.post_attention_layernorm.weight"][:, None] * up)
     mb = load_model(checkpoint=d, dtype=jnp.bfloat16)
-    assert_params_identical(mb.params, jax.tree.map(lambda x: x.astype(jnp.bfloat16), m.params))
+    assert_params_identical(mb.params, jax.tree.map(lambda x: x.astype(jnp.bfloat16), run.params))
 
 
 def test_safetensors_reader_matches_safetensors_package(tiny_hf):

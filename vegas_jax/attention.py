@@ -48,6 +48,10 @@ class Capture:
         if self.score not in SCORES:
             raise ValueError(f"score must be one of {SCORES}, got {self.score!r}")
 
+    def scores_shape(self, b: int, kh: int, s: int) -> tuple[int, ...]:
+        """One layer's captured scores (fp32) for b sequences, kh KV heads, s positions."""
+        return {"mean": (b, s), "rows": (b, len(self.rows), s), "heads": (b, kh, s)}[self.reduce]
+
 
 jax.tree_util.register_static(Capture)
 

@@ -44,11 +44,14 @@ def cache_bytes(cfg: ModelConfig, batch: int, max_len: int, dtype) -> int:
 def write_kv(k_cache, v_cache, layer, k, v, positions):
     """Scatter new entries k, v [b, t, k, d] of one layer at `positions` [b, t].
 
-    Works on the full stacked cache so that, inside the layer scan, XLA updates the
-    carried buffer in place. Positions past the end are dropped (padding tokens).
+    Works on the full stacked cache so that, inside the layer loop, XLA updates the
+    carried buffer in place. Positions past the end are dropped (padding tokens). A
+    sequence's positions are distinct, so the writes are declared unique: XLA then writes
+    them in parallel instead of guarding against two updates of one entry.
     """
     b = positions.shape[0]
     bidx = jnp.broadcast_to(jnp.arange(b)[:, None], positions.shape)  # [b, t]
-    k_cache = k_cache.at[layer, bidx, :, positions].set(k.astype(k_cache.dtype), mode="drop")
-    v_cache = v_cache.at[layer, bidx, :, positions].set(v.astype(v_cache.dtype), mode="drop")
+    kw = dict(mode="drop", unique_indices=True)
+    k_cache = k_cache.at[layer, bidx, :, positions].set(k.astype(k_cache.dtype), **kw)
+    v_cache = v_cache.at[layer, bidx, :, positions].set(v.astype(v_cache.dtype), **kw)
     return k_cache, v_cache

@@ -178,7 +178,7 @@ def load_model(
     m = _load(name, checkpoint, random_init, dtype, seed)
     xc = exec_config.resolve()
     check_tp(m.config, xc.tp)
-    return m._replace(params=place_params(layout_params(m.params, xc), m.config, xc.tp),
+    return m._replace(params=place_params(layout_params(m.params, xc, donate=True), m.config, xc.tp),
                       exec_config=xc)
 
 

@@ -2,7 +2,7 @@
 
 One `forward` serves prefill, decode, verify and sparse draft; they differ only in the
 `AttnPlan` handed to the attention dispatch. Layer weights are either stacked on a leading
-axis and walked by `lax.scan` (compile time flat in depth) or held one buffer per layer and
+axis and walked by a `lax.while_loop` (compile time flat in depth) or held one buffer per layer and
 walked by a Python loop (no per-layer slicing on the GPU): `ExecConfig.layers` chooses.
 
 Einsum letters, used throughout the package:
@@ -36,10 +36,10 @@ class LayerParams:
     (BENCHMARKS.md, "Weight reads").
     """
 
-    attn_norm: jax.Array  # [L, h]
+    attn_norm: jax.Array | None  # [L, h]; None once folded into w_qkv (`fold_norms`)
     w_qkv: jax.Array  # [L, h, (n + 2k)*d]: columns q | k | v
     wo: jax.Array  # [L, n*d, h]
-    mlp_norm: jax.Array  # [L, h]
+    mlp_norm: jax.Array | None  # [L, h]; None once folded into w_gate_up
     w_gate_up: jax.Array  # [L, h, 2f]: columns gate | up
     w_down: jax.Array  # [L, f, h]
     q_norm: jax.Array | None = None  # [L, d], Qwen3 only
@@ -72,10 +72,11 @@ def mm(spec, a, b):
 
 
 def rms_norm(x, w, eps):
-    # Normalise in fp32 as the reference implementations do, then return to x's dtype.
+    """Normalise in fp32 as the reference implementations do, then return to x's dtype;
+    w None: a weight already folded into the next matmul (`fold_norms`)."""
     xf = x.astype(jnp.float32)
     xf = xf * lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return w * xf.astype(x.dtype)
+    return xf.astype(x.dtype) if w is None else w * xf.astype(x.dtype)
 
 
 def rope_tables(cfg: ModelConfig, positions):
@@ -181,8 +182,9 @@ def forward(
             per_layer.append(sc)
         scores = None if plan.capture is None else jnp.stack(per_layer)
     else:
-        carry, scores = lax.scan(lambda c, xs: step(c, *xs), carry,
-                                 (params.layers, jnp.arange(cfg.num_layers)))
+        cap = plan.capture
+        shape = None if cap is None else cap.scores_shape(*cache.k.shape[1:4])
+        carry, scores = _layer_loop(step, carry, params.layers, cfg.num_layers, shape)
     x, k_cache, v_cache = carry
     if logits_at is not None:
         x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)  # [b, 1, h]
@@ -192,6 +194,49 @@ def forward(
     else:
         logits = mm("bth,hv->btv", x, params.lm_head)
     return logits.astype(jnp.float32), cache.replace(k=k_cache, v=v_cache), scores
+
+
+def _layer_loop(step, carry, layers: LayerParams, n: int, scores_shape):
+    """`step` over the stacked layers; returns (carry, scores [L, *scores_shape] or None).
+
+    A while loop whose counter is the layer index: a scan would slice the index from an
+    iota, which XLA on the GPU runs as one more device memcpy per layer."""
+    def at(li):
+        return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, li, keepdims=False), layers)
+
+    scores = None if scores_shape is None else jnp.zeros((n, *scores_shape), jnp.float32)
+
+    def body(state):
+        li, carry, scores = state
+        carry, sc = step(carry, at(li), li)
+        if scores is not None:
+            scores = lax.dynamic_update_index_in_dim(scores, sc.astype(jnp.float32), li, 0)
+        return li + 1, carry, scores
+
+    _, carry, scores = lax.while_loop(lambda st: st[0] < n, body, (jnp.int32(0), carry, scores))
+    return carry, scores
+
+
+def fold_norms(params: Params, donate: bool = False) -> Params:
+    """Params whose attention and MLP RMS-norm weights are folded into the projections
+    they feed: (x̂ * w) @ W = x̂ @ (w[:, None] * W) for the normalised x̂. On the GPU a scan's
+    slice of a norm weight is not read in place by XLA's norm fusion but copied first (a
+    device memcpy per norm per layer); folded, there is nothing to slice. The product is
+    rounded once to the weights' dtype. donate: the projections' old buffers are freed
+    as each folded one is made (params nobody else holds: a fresh load)."""
+    def fold(w, m):
+        return (w[..., :, None].astype(jnp.float32) * m.astype(jnp.float32)).astype(m.dtype)
+
+    def one(lp: LayerParams) -> LayerParams:
+        if lp.attn_norm is None:
+            return lp
+        return lp.replace(attn_norm=None, w_qkv=_fold(lp.attn_norm, lp.w_qkv),
+                          mlp_norm=None, w_gate_up=_fold(lp.mlp_norm, lp.w_gate_up))
+
+    _fold = jax.jit(fold, donate_argnums=1 if donate else ())
+    layers = params.layers
+    return params.replace(layers=tuple(map(one, layers)) if isinstance(layers, tuple)
+                          else one(layers))
 
 
 def stack_layers(params: Params) -> Params:
@@ -206,13 +251,14 @@ def unstack_layers(params: Params) -> Params:
     buffers are alive the layer weights are held twice."""
     if isinstance(params.layers, tuple):
         return params
-    n = params.layers.attn_norm.shape[0]
+    n = params.layers.wo.shape[0]
     return params.replace(layers=tuple(
         jax.tree.map(lambda a, i=i: a[i], params.layers) for i in range(n)))
 
 
-def layout_params(params: Params, xc: ExecConfig) -> Params:
-    """The layer layout `xc.layers` runs on."""
+def layout_params(params: Params, xc: ExecConfig, donate: bool = False) -> Params:
+    """The layer layout `xc.layers` runs on, norm weights folded (`fold_norms`)."""
+    params = fold_norms(params, donate)
     return unstack_layers(params) if xc.layers == "unrolled" else stack_layers(params)
 
 

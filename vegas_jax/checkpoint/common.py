@@ -202,14 +202,23 @@ def assemble(cfg: ModelConfig, embed, layers: LayerParams, final_norm, lm_head, 
 
 
 def params_to_dict(params: Params) -> dict[str, Any]:
-    """Params -> nested dict of arrays without the None leaves (what orbax stores)."""
+    """Params -> nested dict of arrays without the None leaves (what orbax stores).
+
+    Stacked layers only. Norm weights folded into their projections (`fold_norms`, as
+    `load_model` lays params out) are written as ones: the same function, a checkpoint."""
     out: dict[str, Any] = {"embed": params.embed, "final_norm": params.final_norm}
     if params.lm_head is not None:
         out["lm_head"] = params.lm_head
+    lp = params.layers
+    if isinstance(lp, tuple):
+        raise ValueError("per-layer weight buffers: stack them first (model.stack_layers)")
+    if lp.attn_norm is None:
+        ones = np.ones(lp.w_qkv.shape[:-1], lp.w_qkv.dtype)  # [L, h]
+        lp = lp.replace(attn_norm=ones, mlp_norm=ones)
     out["layers"] = {
-        f.name: getattr(params.layers, f.name)
-        for f in dataclasses.fields(params.layers)
-        if getattr(params.layers, f.name) is not None
+        f.name: getattr(lp, f.name)
+        for f in dataclasses.fields(lp)
+        if getattr(lp, f.name) is not None
     }
     return out
 

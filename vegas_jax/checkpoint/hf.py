@@ -18,7 +18,8 @@ import ml_dtypes
 import numpy as np
 
 from vegas_jax.checkpoint.common import (
-    assemble, field_shapes, np_dtype, registry_match, split_fused, stack_layers,
+    assemble, field_shapes, np_dtype, params_to_dict, registry_match, split_fused,
+    stack_layers,
 )
 from vegas_jax.config import ModelConfig, from_hf_config
 from vegas_jax.model import Params
@@ -136,11 +137,13 @@ def layer_names(cfg: ModelConfig) -> dict[str, tuple[str, bool]]:
 
 def to_hf_state_dict(cfg: ModelConfig, params: Params) -> dict[str, np.ndarray]:
     """The inverse of `load_hf_checkpoint`: HF tensor names -> numpy arrays (for running
-    the same weights through transformers, e.g. as a benchmark reference)."""
+    the same weights through transformers, e.g. as a benchmark reference). Params laid
+    out by `load_model` have their norm weights folded into the projections: they come
+    out as ones beside the scaled projections, the same function."""
     out = {"model.embed_tokens.weight": np.asarray(params.embed),
            "model.norm.weight": np.asarray(params.final_norm)}
-    fields = split_fused(cfg, {f: np.asarray(getattr(params.layers, f))
-                               for f in field_shapes(cfg)})
+    layers = params_to_dict(params)["layers"]
+    fields = split_fused(cfg, {f: np.asarray(layers[f]) for f in field_shapes(cfg)})
     for ours, (hf, transposed) in layer_names(cfg).items():
         stacked = fields[ours]
         for i in range(cfg.num_layers):
