@@ -38,6 +38,12 @@ def sm_count() -> int:
     return int(getattr(jax.devices()[0], "core_count", 0) or 132)
 
 
+def key_splits(s: int, j: int, block_k: int) -> tuple[int, int]:
+    """s keys cut into about j splits of whole key blocks: (split length, splits made)."""
+    split = pl.cdiv(pl.cdiv(s, j), block_k) * block_k
+    return split, pl.cdiv(s, split)
+
+
 def wave_splits(per: int, s: int, block_k: int, j0: int, j_max: int, resident: int) -> int:
     """Key splits of s keys (whole blocks of block_k) for `per` programs per split: from
     j0 (the target grid) to j_max or 1.5 * j0, the count whose grid fills its last wave
@@ -46,8 +52,7 @@ def wave_splits(per: int, s: int, block_k: int, j0: int, j_max: int, resident: i
     runs 3 full ones."""
     best, best_eff = j0, 0.0
     for j in range(j0, min(j_max, -(-3 * j0 // 2)) + 1):
-        split = -(-(-(-s // j)) // block_k) * block_k
-        p = per * -(-s // split)  # the splits actually made
+        p = per * key_splits(s, j, block_k)[1]
         eff = p / (-(-p // resident) * resident)
         if eff > best_eff + 1e-9:
             best, best_eff = j, eff

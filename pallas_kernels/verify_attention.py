@@ -24,7 +24,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
 from pallas_kernels.common import (
-    NEG, SMEM_BYTES, combine_splits, dot, pow2_at_least, sm_count, wave_splits, whole,
+    NEG, SMEM_BYTES, combine_splits, dot, key_splits, pow2_at_least, sm_count, wave_splits,
+    whole,
 )
 
 CAPTURE_MODES = ("none", "mean", "rows", "heads")
@@ -140,7 +141,7 @@ class VerifyBlocks:
     target_programs: int = 528
     min_split: int = 512
     cap_dtype: Any = jnp.float16
-    waves: bool = True  # more splits (up to 2x) where they fill the grid's last wave
+    waves: bool = True  # more splits (up to 1.5x) where they fill the grid's last wave
 
 
 def _verify_kernel(layer_ref, q_ref, rowpos_ref, k_ref, v_ref, *refs, block_k, split_len,
@@ -315,8 +316,7 @@ def _plan(b, kh, t, g, s, *, max_rows, row_block, target_programs, block_k, min_
     j = max(1, min(max_splits, -(-target_programs // per)))
     if resident:
         j = wave_splits(per, s, block_k, j, max_splits, resident)
-    split_len = pl.cdiv(pl.cdiv(s, j), block_k) * block_k
-    j = -(-s // split_len)
+    split_len, j = key_splits(s, j, block_k)
     return rows, tq, nqb, j, split_len
 
 

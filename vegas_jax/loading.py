@@ -178,8 +178,8 @@ def load_model(
     m = _load(name, checkpoint, random_init, dtype, seed)
     xc = exec_config.resolve()
     check_tp(m.config, xc.tp)
-    return m._replace(params=place_params(layout_params(m.params, xc, donate=True), m.config, xc.tp),
-                      exec_config=xc)
+    params = layout_params(m.params, xc, donate=True)  # freshly loaded: nobody else holds them
+    return m._replace(params=place_params(params, m.config, xc.tp), exec_config=xc)
 
 
 def _load(name, checkpoint, random_init, dtype, seed) -> Model:

@@ -2,8 +2,9 @@
 
 One `forward` serves prefill, decode, verify and sparse draft; they differ only in the
 `AttnPlan` handed to the attention dispatch. Layer weights are either stacked on a leading
-axis and walked by a `lax.while_loop` (compile time flat in depth) or held one buffer per layer and
-walked by a Python loop (no per-layer slicing on the GPU): `ExecConfig.layers` chooses.
+axis and walked by a `lax.while_loop` (compile time flat in depth) or held one buffer per
+layer and walked by a Python loop (no per-layer slicing on the GPU): `ExecConfig.layers`
+chooses.
 
 Einsum letters, used throughout the package:
   b batch, t query tokens, s key positions, k KV heads, g query heads per KV head,
@@ -11,6 +12,8 @@ Einsum letters, used throughout the package:
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -224,16 +227,16 @@ def fold_norms(params: Params, donate: bool = False) -> Params:
     device memcpy per norm per layer); folded, there is nothing to slice. The product is
     rounded once to the weights' dtype. donate: the projections' old buffers are freed
     as each folded one is made (params nobody else holds: a fresh load)."""
-    def fold(w, m):
+    @functools.partial(jax.jit, donate_argnums=1 if donate else ())
+    def fold(w, m):  # w [..., h], m [..., h, n]
         return (w[..., :, None].astype(jnp.float32) * m.astype(jnp.float32)).astype(m.dtype)
 
     def one(lp: LayerParams) -> LayerParams:
         if lp.attn_norm is None:
             return lp
-        return lp.replace(attn_norm=None, w_qkv=_fold(lp.attn_norm, lp.w_qkv),
-                          mlp_norm=None, w_gate_up=_fold(lp.mlp_norm, lp.w_gate_up))
+        return lp.replace(attn_norm=None, w_qkv=fold(lp.attn_norm, lp.w_qkv),
+                          mlp_norm=None, w_gate_up=fold(lp.mlp_norm, lp.w_gate_up))
 
-    _fold = jax.jit(fold, donate_argnums=1 if donate else ())
     layers = params.layers
     return params.replace(layers=tuple(map(one, layers)) if isinstance(layers, tuple)
                           else one(layers))
