@@ -14,6 +14,7 @@ import dataclasses
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import struct
 from jax import lax
 from jax.sharding import PartitionSpec as P
@@ -67,6 +68,10 @@ class AttnPlan:
     count: jax.Array | None = None  # [L|1, b] or [L|1, b, k]: leading idx entries that are real
     tail_start: jax.Array | None = None  # [b]: the tail is tail_start .. the query's position
     picker_inputs: Any = None  # arrays the picker reads (leading layer axis)
+    # [b] bool: False for finished sequences, whose attention reads nothing on the Pallas
+    # path (their output is never used; the batch waits for its slowest sequence, and a
+    # finished one then costs no cache reads). None: every sequence attends.
+    active: jax.Array | None = None
 
 
 CAUSAL = AttnPlan()
@@ -98,6 +103,8 @@ def attention(plan: AttnPlan, xc, q, k_cache, v_cache, layer, positions):
     """q [b, t, k, g, d]; cache [L, b, k, s, d]; positions [b, t]. `layer` indexes the
     cache (and the plan's per-layer inputs). Returns (out [b, t, k, g, d], scores | None)."""
     if plan.mode == "causal":
+        if skips(plan, xc):  # rows at position -1 see no key: nothing is read
+            positions = jnp.where(plan.active[:, None], positions, -1)
         cap = plan.capture
         kw = {} if cap is None else dict(capture=cap.reduce, capture_rows=cap.rows,
                                          score=cap.score)
@@ -119,6 +126,7 @@ def attention(plan: AttnPlan, xc, q, k_cache, v_cache, layer, positions):
         if plan.picker is not None:
             idx, count = plan.picker.pick(q, plan.picker_inputs, layer, plan.tail_start)
             idx, count, at = idx[None], count[None], 0
+        count, tail_start = skipped(plan, xc, count, positions)
         fn = sparse_attention if xc.attn == "pallas" else sparse_attention_reference
         ispec, cspec = index_specs(idx)
 
@@ -127,10 +135,26 @@ def attention(plan: AttnPlan, xc, q, k_cache, v_cache, layer, positions):
                       tail_len=plan.tail_len, idx_layer=at)
 
         out = per_device(local, xc, (HEADS5, HEADS5, HEADS5, REP, ispec, cspec, REP, REP, REP),
-                         HEADS5)(q, k_cache, v_cache, layer, idx, count, plan.tail_start,
+                         HEADS5)(q, k_cache, v_cache, layer, idx, count, tail_start,
                                  positions[:, 0], at)
         return out, None
     raise ValueError(f"unknown attention mode {plan.mode!r}")
+
+
+def skips(plan: AttnPlan, xc) -> bool:
+    """Whether finished sequences skip their attention (the Pallas path; the XLA path is
+    the reference and computes every row)."""
+    return plan.active is not None and xc.attn == "pallas"
+
+
+def skipped(plan: AttnPlan, xc, count, positions):
+    """A sparse draft's (count, tail_start) with finished sequences reading nothing: no
+    selected entry, and a tail that starts after the query."""
+    if not skips(plan, xc):
+        return count, plan.tail_start
+    act = plan.active.reshape((1, -1) + (1,) * (count.ndim - 2))  # against [Li, b, (k)]
+    return (jnp.where(act, count, 0),
+            jnp.where(plan.active, plan.tail_start, positions[:, 0] + 1))
 
 
 def fused_draft(plan: AttnPlan, xc) -> bool:
@@ -156,7 +180,8 @@ def sparse_block(plan: AttnPlan, xc, cfg, qkv, q_norm, k_norm, rope, k_cache, v_
 
     cols = P(None, None, AXIS)
     ispec, cspec = index_specs(plan.idx)
+    count, tail_start = skipped(plan, xc, plan.count, positions)
     return per_device(local, xc, (cols, REP, REP, REP, HEADS5, HEADS5, REP, ispec, cspec, REP,
                                   REP, REP), (HEADS5, HEADS5, HEADS5))(
-        qkv, q_norm, k_norm, rope, k_cache, v_cache, layer, plan.idx, plan.count, plan.tail_start,
+        qkv, q_norm, k_norm, rope, k_cache, v_cache, layer, plan.idx, count, tail_start,
         positions[:, 0], layer if plan.layered else 0)

@@ -17,27 +17,29 @@ GEMM = ("auto", "triton", "cublas")
 LAYERS = ("auto", "scan", "unrolled")
 DRAFT = ("auto", "fused", "split")
 
-# GPU defaults, from kernel profiles (BENCHMARKS.md, "What changed" and "Weight reads"):
-# decode-shaped matmuls read large weights several times faster through cuBLAS than
-# through XLA's Triton GEMM; in a layer scan XLA copies every layer's weight slices before
-# its matmuls, unless cuBLAS reads them in place through dynamic-slice fusion, which
-# measured as fast as per-layer weight buffers and compiles an order of magnitude faster.
+# GPU defaults, from kernel profiles and host timings (BENCHMARKS.md, "What changed",
+# "Weight reads" and "Host dispatch"): decode-shaped matmuls read large weights several
+# times faster through cuBLAS than through XLA's Triton GEMM; and per-layer weight buffers
+# walked by an unrolled loop, because in a layer loop XLA reads each layer's weight slices
+# at offsets the host computes, so the host walks the loop body once per layer of every
+# forward: ~48 us a layer, 10-14 ms of host work for a SmolLM2 round at B = 64 that the
+# GPU runs in 13 ms (sampled rounds were host bound), against ~1.4 ms unrolled.
 
 
 @dataclasses.dataclass(frozen=True)
 class ExecConfig:
     """attn: attention backend ("pallas" kernels or the "xla" reference path).
     gemm: XLA's GEMM emitter on the GPU ("triton" or "cublas"); no effect on the CPU.
-    layers: "scan" walks stacked layer weights with `lax.scan` (compile time flat in depth);
-      "unrolled" runs a Python loop over per-layer weight buffers (no per-layer slice
-      copies on the GPU, longer compiles). The params' layout must match (`layout_params`).
+    layers: "scan" walks stacked layer weights with a `lax.while_loop` (compile time flat in
+      depth); "unrolled" runs a Python loop over per-layer weight buffers (on the GPU no
+      per-layer slicing, whose offsets the host computes layer by layer; longer compiles).
+      The params' layout must match (`layout_params`).
     draft: with the Pallas kernels, a sparse draft step's attention block (Q/K norm, RoPE,
       K/V write, sparse attention, combine) runs as one "fused" kernel or "split" into
       XLA ops around the sparse-attention kernel; no effect on the XLA path.
     tp: tensor-parallel degree: the model split across this many devices (`sharding`).
-    "auto" resolves by backend: on the GPU cuBLAS and a scan (whose weight slices cuBLAS
-    reads in place through XLA's dynamic-slice fusion); elsewhere the XLA path and a scan;
-    fused drafts wherever the Pallas kernels run."""
+    "auto" resolves by backend: on the GPU cuBLAS and unrolled layers; elsewhere the XLA
+    path and a scan; fused drafts wherever the Pallas kernels run."""
 
     attn: str = "auto"
     gemm: str = "auto"
@@ -59,7 +61,7 @@ class ExecConfig:
         return ExecConfig(
             attn=self.attn if self.attn != "auto" else ("pallas" if gpu else "xla"),
             gemm=self.gemm if self.gemm != "auto" else ("cublas" if gpu else "triton"),
-            layers=self.layers if self.layers != "auto" else "scan",
+            layers=self.layers if self.layers != "auto" else ("unrolled" if gpu else "scan"),
             draft=self.draft if self.draft != "auto" else "fused",
             tp=self.tp,
         )
@@ -109,8 +111,9 @@ def add_exec_args(p) -> None:
                    help="XLA's GEMM emitter on the GPU (auto: cuBLAS, reading a scan's "
                    "weight slices in place); no effect on the CPU")
     p.add_argument("--layers", default="auto", choices=LAYERS,
-                   help="layer loop: scan over stacked weights (auto; compiles fast) or "
-                   "unrolled over per-layer weight buffers (compiles ~20x slower)")
+                   help="layer loop: a loop over stacked weights (compiles fastest) or "
+                   "unrolled over per-layer weight buffers (less host work per call on the "
+                   "GPU); auto: unrolled on the GPU, loop elsewhere")
     p.add_argument("--tp", type=int, default=1, metavar="N",
                    help="tensor parallel over N devices (attention heads and MLP width split; "
                    "N must divide the model's KV heads)")

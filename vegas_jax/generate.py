@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from flax import struct
 from jax import lax
 
-from vegas_jax.attention import CAUSAL
+from vegas_jax.attention import AttnPlan
 from vegas_jax.cache import KVCache
 from vegas_jax.config import ModelConfig
 from vegas_jax.execution import ExecConfig, model_jit
@@ -44,7 +44,7 @@ def decode_steps(params, cfg: ModelConfig, xc: ExecConfig, state: DecodeState,
         active = ~st.progress.done
         pos = st.cache.lengths
         logits, cache, _ = forward(params, cfg, xc, st.tok[:, None], pos[:, None], st.cache,
-                                   CAUSAL)
+                                   AttnPlan(active=active))
         nxt, _ = sample(rng, logits[:, 0], sp)
         nxt = jnp.where(active, nxt, st.tok)
         out, progress = st.progress.emit(jnp.where(active, nxt, -1)[:, None])

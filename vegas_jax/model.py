@@ -98,55 +98,55 @@ def apply_rope(x, cos, sin):
     return (xf * cos[:, :, None, :] + rot * sin[:, :, None, :]).astype(x.dtype)
 
 
-def _layer(cfg: ModelConfig, xc: ExecConfig, plan: AttnPlan, cos, sin, positions, write: bool):
+@functools.partial(jax.jit, static_argnames=("cfg", "xc", "write"))
+def _layer(cfg: ModelConfig, xc: ExecConfig, write: bool, plan: AttnPlan, cos, sin, positions,
+           rope, carry, lp: LayerParams, li):
+    """One transformer layer: carry (x [b, t, h], k_cache, v_cache) -> (carry, scores).
+
+    Jitted on its own, with the layer index `li` traced: every layer of a forward is then
+    traced and lowered once, whether the layers run in a loop or unrolled (per-layer
+    weight buffers: on the GPU the host walks no loop body per layer, but 30 layers traced
+    and lowered one by one took ~10 s a round on the CPU). XLA inlines the calls."""
     k_heads, g, d = cfg.num_kv_heads, cfg.group_size, cfg.head_dim
-    fused = write and fused_draft(plan, xc)  # the attention block in one kernel
-    # the fused kernel's per-step inputs, made here, outside the layer loop: made inside,
-    # each would cost a small kernel launch per layer
-    rope = rope_halves(cos, sin) if fused else None
-    ones = np.ones((d,), np.float32)  # a literal: the Q/K norm weights of models without
+    x, k_cache, v_cache = carry  # x [b, t, h]
+    b, t, _ = x.shape
+    h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
+    qkv = mm("bth,hn->btn", h, lp.w_qkv)  # [b, t, (n + 2k)*d]
+    if write and fused_draft(plan, xc):  # the attention block in one kernel
+        # the Q/K norm weights of models without QK-norm: a literal, never read
+        ones = np.ones((d,), np.float32)
+        qn, kn = (lp.q_norm, lp.k_norm) if cfg.qk_norm else (ones, ones)
+        o, k_cache, v_cache = sparse_block(plan, xc, cfg, qkv, qn, kn, rope, k_cache,
+                                           v_cache, li, positions)
+        return _mlp(cfg, xc, x, o, lp), k_cache, v_cache, None
+    # columns per shard: [q_i | k_i | v_i] for each of the tp shards (`sharding`)
+    per = qkv.reshape(b, t, xc.tp, -1)  # [b, t, tp, (n + 2k)*d / tp]
+    nq, nk = k_heads * g * d // xc.tp, k_heads * d // xc.tp
+    q = per[..., :nq].reshape(b, t, k_heads * g, d)
+    k = per[..., nq:nq + nk].reshape(b, t, k_heads, d)
+    v = per[..., nq + nk:].reshape(b, t, k_heads, d)
+    if cfg.qk_norm:
+        q = rms_norm(q, lp.q_norm, cfg.rms_norm_eps)
+        k = rms_norm(k, lp.k_norm, cfg.rms_norm_eps)
+    q = apply_rope(q, cos, sin).reshape(b, t, k_heads, g, d)  # [b, t, k, g, d]
+    k = apply_rope(k, cos, sin)  # [b, t, k, d]
+    if write:
+        k_cache, v_cache = write_kv(k_cache, v_cache, li, k, v, positions)
+    o, scores = attention(plan, xc, q, k_cache, v_cache, li, positions)
+    return _mlp(cfg, xc, x, o, lp), k_cache, v_cache, scores
 
-    def norms(lp):  # (Q norm [d], K norm [d])
-        return (lp.q_norm, lp.k_norm) if cfg.qk_norm else (ones, ones)
 
-    def step(carry, lp: LayerParams, li):
-        x, k_cache, v_cache = carry  # x [b, t, h]
-        b, t, _ = x.shape
-        h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
-        qkv = mm("bth,hn->btn", h, lp.w_qkv)  # [b, t, (n + 2k)*d]
-        if fused:
-            o, k_cache, v_cache = sparse_block(plan, xc, cfg, qkv, *norms(lp), rope,
-                                               k_cache, v_cache, li, positions)
-            return finish(x, o, lp, k_cache, v_cache, None)
-        # columns per shard: [q_i | k_i | v_i] for each of the tp shards (`sharding`)
-        per = qkv.reshape(b, t, xc.tp, -1)  # [b, t, tp, (n + 2k)*d / tp]
-        nq, nk = k_heads * g * d // xc.tp, k_heads * d // xc.tp
-        q = per[..., :nq].reshape(b, t, k_heads * g, d)
-        k = per[..., nq:nq + nk].reshape(b, t, k_heads, d)
-        v = per[..., nq + nk:].reshape(b, t, k_heads, d)
-        if cfg.qk_norm:
-            q = rms_norm(q, lp.q_norm, cfg.rms_norm_eps)
-            k = rms_norm(k, lp.k_norm, cfg.rms_norm_eps)
-        q = apply_rope(q, cos, sin).reshape(b, t, k_heads, g, d)  # [b, t, k, g, d]
-        k = apply_rope(k, cos, sin)  # [b, t, k, d]
-        if write:
-            k_cache, v_cache = write_kv(k_cache, v_cache, li, k, v, positions)
-        o, scores = attention(plan, xc, q, k_cache, v_cache, li, positions)
-        return finish(x, o, lp, k_cache, v_cache, scores)
-
-    def finish(x, o, lp, k_cache, v_cache, scores):
-        b, t, _ = x.shape
-        x = x + mm("btn,nh->bth", o.reshape(b, t, -1).astype(x.dtype), lp.wo)
-        h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
-        gate_up = mm("bth,hf->btf", h, lp.w_gate_up)  # [b, t, 2f], per shard [gate_i | up_i]
-        gate_up = gate_up.reshape(b, t, xc.tp, -1)
-        f = cfg.intermediate_size // xc.tp
-        gate = gate_up[..., :f].reshape(b, t, -1)  # [b, t, f]
-        up = gate_up[..., f:].reshape(b, t, -1)
-        x = x + mm("btf,fh->bth", jax.nn.silu(gate) * up, lp.w_down)
-        return (x, k_cache, v_cache), scores
-
-    return step
+def _mlp(cfg: ModelConfig, xc: ExecConfig, x, o, lp: LayerParams):
+    """The layer after attention: output projection, residual, MLP, residual."""
+    b, t, _ = x.shape
+    x = x + mm("btn,nh->bth", o.reshape(b, t, -1).astype(x.dtype), lp.wo)
+    h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
+    gate_up = mm("bth,hf->btf", h, lp.w_gate_up)  # [b, t, 2f], per shard [gate_i | up_i]
+    gate_up = gate_up.reshape(b, t, xc.tp, -1)
+    f = cfg.intermediate_size // xc.tp
+    gate = gate_up[..., :f].reshape(b, t, -1)  # [b, t, f]
+    up = gate_up[..., f:].reshape(b, t, -1)
+    return x + mm("btf,fh->bth", jax.nn.silu(gate) * up, lp.w_down)
 
 
 def forward(
@@ -174,11 +174,20 @@ def forward(
     """
     x = params.embed[tokens]  # [b, t, h]
     cos, sin = rope_tables(cfg, positions)
-    step = _layer(cfg, xc, plan, cos, sin, positions, write)
+    # the fused draft kernel's RoPE table, made once per forward: made inside the layer,
+    # it would cost a small kernel launch per layer
+    rope = rope_halves(cos, sin) if write and fused_draft(plan, xc) else None
+
+    def step(carry, lp, li):
+        *carry, sc = _layer(cfg, xc, write, plan, cos, sin, positions, rope, tuple(carry), lp,
+                            jnp.int32(li))
+        return tuple(carry), sc
+
     carry = (x, cache.k, cache.v)
     if isinstance(params.layers, tuple):
-        # Per-layer weight buffers and static layer indices: nothing is sliced per layer
-        # (in a scan, XLA copies each layer's weight slices before its matmuls).
+        # Per-layer weight buffers: nothing is sliced per layer (in a loop, XLA reads each
+        # layer's weight slices at offsets the host computes, so the host walks every
+        # layer of every call; BENCHMARKS.md, "Host dispatch").
         per_layer = []
         for li, lp in enumerate(params.layers):
             carry, sc = step(carry, lp, li)

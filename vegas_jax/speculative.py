@@ -81,12 +81,13 @@ def draft_phase(params, cfg: ModelConfig, xc: ExecConfig, state: SpecState, key,
     (the verify rewrites them). Returns (cache, drafts [b, gamma], q): q is None (greedy),
     [b, gamma, v], or with top-k its sparse form ([b, gamma, k] indices, probabilities)."""
     n = state.cache.lengths
+    active = ~state.progress.done
 
     def step(carry, xs):
         cache, tok = carry
         j, rng = xs
         pos = n + j
-        plan = spec.method.draft_plan(spec, state.sel, state.cache, pos)
+        plan = spec.method.draft_plan(spec, state.sel, state.cache, pos).replace(active=active)
         logits, cache, _ = forward(params, cfg, xc, tok[:, None], pos[:, None], cache, plan)
         nxt, q = sample(rng, logits[:, 0], sp)
         return (cache, nxt), (nxt, q)
@@ -99,14 +100,15 @@ def draft_phase(params, cfg: ModelConfig, xc: ExecConfig, state: SpecState, key,
 
 
 def verify_phase(params, cfg: ModelConfig, xc: ExecConfig, cache: KVCache, x0, drafts,
-                 capture: Capture | None):
+                 capture: Capture | None, active=None):
     """Full causal attention over x0, d_1..d_gamma at positions n..n+gamma: rewrites their
-    K/V and, in the same attention call, captures the next selection's scores.
+    K/V and, in the same attention call, captures the next selection's scores. active [b]
+    (or None): finished sequences, False, read no cache.
     Returns (logits [b, gamma + 1, v], cache, scores | None)."""
     n = cache.lengths
     vtok = jnp.concatenate([x0[:, None], drafts], axis=1)
     vpos = n[:, None] + jnp.arange(drafts.shape[1] + 1, dtype=jnp.int32)
-    return forward(params, cfg, xc, vtok, vpos, cache, AttnPlan(capture=capture))
+    return forward(params, cfg, xc, vtok, vpos, cache, AttnPlan(capture=capture, active=active))
 
 
 @model_jit(static_argnames=("cfg", "xc", "spec", "sp"), donate_argnames=("state",))
@@ -126,7 +128,7 @@ def spec_round(params, cfg: ModelConfig, xc: ExecConfig, state: SpecState, spec:
     key, k_draft, k_acc = jax.random.split(state.key, 3)
     cache, drafts, q = draft_phase(params, cfg, xc, state, k_draft, spec, sp)
     logits, cache, scores = verify_phase(params, cfg, xc, cache, state.x0, drafts,
-                                         spec.method.capture(spec))
+                                         spec.method.capture(spec), active)
     n_acc, nxt = accept(k_acc, drafts, q, logits, sp)
     slot = jnp.arange(gamma + 1)[None, :]
     padded = jnp.concatenate([drafts, jnp.zeros_like(drafts[:, :1])], axis=1)

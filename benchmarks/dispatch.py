@@ -1,0 +1,119 @@
+"""Host dispatch against device time of a round, per execution variant (GPU).
+
+    PYTHONPATH=. python -m benchmarks.dispatch --model smollm2-135m --batch 64 --context 7680
+
+JAX dispatches asynchronously, but handing a call to the runtime is itself host work: XLA
+walks the executable's thunks on the calling thread, and a `while` loop's body (the layer
+loop, the draft scan) is walked once per iteration. When that walk takes longer than the
+device takes to run the call, the device waits for the host. For each variant (layer
+layout + XLA flags, each in its own process: XLA reads its flags once) and each call (a
+greedy round, a sampled round, 8 vanilla decode steps), this times `--calls` calls issued
+back to back: `dispatch` = host time to issue them, `wall` = time until all are done,
+both per call. dispatch close to wall means the call is host bound.
+Random weights of the model's shapes and a synthetic cache (`vegas_jax.bench`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+VARIANTS = {
+    "scan": ("scan", ""),
+    "scan+while": ("scan", "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"),
+    "unrolled": ("unrolled", ""),
+    "unrolled+while": ("unrolled", "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"),
+    "unrolled+while+unroll": ("unrolled", "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL "
+                              "--xla_gpu_command_buffer_unroll_loops=true"),
+}
+
+
+def timed_calls(fn, calls: int) -> dict:
+    import jax
+
+    t = time.perf_counter()
+    jax.block_until_ready(fn())  # compiles
+    compile_s = time.perf_counter() - t
+    for _ in range(2):
+        jax.block_until_ready(fn())
+    t0 = time.perf_counter()
+    outs = [fn() for _ in range(calls)]
+    t1 = time.perf_counter()
+    jax.block_until_ready(outs)
+    t2 = time.perf_counter()
+    return {"compile_s": compile_s, "dispatch_ms": (t1 - t0) / calls * 1e3,
+            "wall_ms": (t2 - t0) / calls * 1e3}
+
+
+def child(args) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    from vegas_jax.bench import Phases, profile_cache
+    from vegas_jax.execution import ExecConfig
+    from vegas_jax.loading import load_model
+    from vegas_jax.sampling import SamplingParams
+    from vegas_jax.speculative import SpecConfig
+
+    layers, flags = VARIANTS[args.variant]
+    model = load_model(args.model, random_init=True, exec_config=ExecConfig(layers=layers))
+    cache = profile_cache(model.config, args.batch, args.context, args.gamma, jnp.bfloat16)
+    spec = SpecConfig(method=args.method, gamma=args.gamma)
+    out = {"variant": args.variant, "layers": layers, "xla_flags": flags,
+           "device": jax.devices()[0].device_kind}
+    modes = {"greedy": SamplingParams(), "sampled": SamplingParams(0.6, 20, 0.95)}
+    for mode, sp in modes.items():
+        ph = Phases(model, cache, spec, sp, model.exec_config)
+        out[f"round_{mode}"] = timed_calls(ph.round, args.calls)
+        if mode == "greedy":
+            out["vanilla8"] = timed_calls(ph.vanilla, args.calls)
+        cache = ph.state.cache.replace(lengths=ph.n)
+        del ph
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--context", type=int, default=7680)
+    p.add_argument("--gamma", type=int, default=6)
+    p.add_argument("--method", default="vegas")
+    p.add_argument("--calls", type=int, default=10)
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--variant", default=None, help=argparse.SUPPRESS)  # the child's
+    p.add_argument("--json", default=None, metavar="FILE")
+    args = p.parse_args(argv)
+    if args.variant:
+        print("RESULT " + json.dumps(child(args)), flush=True)
+        return 0
+    rows = []
+    for v in args.variants.split(","):
+        env = dict(os.environ)
+        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + VARIANTS[v][1]).strip()
+        cmd = [sys.executable, "-m", "benchmarks.dispatch", "--variant", v,
+               *[f"--{k}={getattr(args, k)}" for k in ("model", "batch", "context", "gamma",
+                                                        "method", "calls")]]
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        got = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
+        if not got:
+            print(f"{v}: failed\n{r.stderr[-3000:]}", flush=True)
+            continue
+        row = json.loads(got[0][7:])
+        rows.append(row)
+        for k in ("round_greedy", "round_sampled", "vanilla8"):
+            c = row[k]
+            print(f"{v:24s} {k:14s} dispatch {c['dispatch_ms']:7.2f} ms  wall "
+                  f"{c['wall_ms']:7.2f} ms  compile {c['compile_s']:6.1f} s", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

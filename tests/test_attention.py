@@ -1,0 +1,85 @@
+"""The attention dispatch: finished sequences skip their attention on the Pallas path
+(kernels in interpret mode), and every other row is what it was."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.sparse_attention import sparse_attention, sparse_step
+from pallas_kernels.verify_attention import verify_attention
+from vegas_jax import attention as attn_mod
+from vegas_jax.attention import AttnPlan, Capture, attention, sparse_block
+from vegas_jax.execution import ExecConfig
+from tests.tiny import tiny_config
+
+PALLAS = ExecConfig(attn="pallas", gemm="triton", layers="scan", draft="fused")
+
+
+@pytest.fixture
+def interpret(monkeypatch):
+    monkeypatch.setattr(attn_mod, "verify_attention",
+                        functools.partial(verify_attention, interpret=True))
+    monkeypatch.setattr(attn_mod, "sparse_attention",
+                        functools.partial(sparse_attention, interpret=True))
+    monkeypatch.setattr(attn_mod, "sparse_step", functools.partial(sparse_step, interpret=True))
+
+
+def _cache(L=2, b=3, kh=2, s=96, d=16, seed=0):
+    ks = jax.random.split(jax.random.PRNGKey(seed), 2)
+    return (jax.random.normal(ks[0], (L, b, kh, s, d)),
+            jax.random.normal(ks[1], (L, b, kh, s, d)))
+
+
+ACTIVE = jnp.array([True, False, True])
+
+
+def _split_rows(full, skipped):
+    """Rows 0 and 2 (active) equal the plan without `active`; row 1 (finished) is 0."""
+    full, skipped = np.asarray(full), np.asarray(skipped)
+    np.testing.assert_allclose(skipped[[0, 2]], full[[0, 2]], rtol=1e-5, atol=1e-5)
+    assert np.abs(full[1]).max() > 0  # the row had something to lose
+    np.testing.assert_array_equal(skipped[1], 0.0)
+
+
+def test_verify_rows_of_finished_sequences_read_nothing(interpret):
+    kc, vc = _cache()
+    b, t, kh, g, d = 3, 4, 2, 2, 16
+    q = jax.random.normal(jax.random.PRNGKey(5), (b, t, kh, g, d))
+    pos = jnp.array([40, 70, 90])[:, None] + jnp.arange(t)[None, :]
+    cap = Capture((0, t - 1))
+    full, sc_full = attention(AttnPlan(capture=cap), PALLAS, q, kc, vc, 1, pos)
+    out, sc = attention(AttnPlan(capture=cap, active=ACTIVE), PALLAS, q, kc, vc, 1, pos)
+    _split_rows(full, out)
+    _split_rows(sc_full, sc)
+    # the XLA path is the reference: it computes every row
+    ref, _ = attention(AttnPlan(capture=cap, active=ACTIVE), ExecConfig(attn="xla"), q, kc, vc,
+                       1, pos)
+    np.testing.assert_allclose(np.asarray(ref)[1], np.asarray(full)[1], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_sparse_drafts_of_finished_sequences_read_nothing(interpret, fused):
+    cfg = tiny_config(layers=2)
+    kh, g, d = cfg.num_kv_heads, cfg.group_size, cfg.head_dim
+    kc, vc = _cache(b=3, kh=kh, d=d)
+    b, K = 3, 12
+    idx = jax.random.randint(jax.random.PRNGKey(7), (2, b, K), 0, 50)
+    plan = AttnPlan(mode="sparse", tail_len=5, idx=idx, count=jnp.full((2, b), K),
+                    tail_start=jnp.array([60, 61, 62]))
+    pos = jnp.array([[63], [64], [65]])
+    if fused:
+        qkv = jax.random.normal(jax.random.PRNGKey(8), (b, 1, (kh * g + 2 * kh) * d))
+        one = jnp.ones((d,))
+        rope = jnp.stack([jnp.ones((b, d // 2)), jnp.zeros((b, d // 2))], axis=1)
+
+        def run(p):
+            return sparse_block(p, PALLAS, cfg, qkv, one, one, rope, kc, vc, 1, pos)[0]
+    else:
+        q = jax.random.normal(jax.random.PRNGKey(8), (b, 1, kh, g, d))
+
+        def run(p):
+            return attention(p, PALLAS, q, kc, vc, 1, pos)[0]
+    _split_rows(run(plan), run(plan.replace(active=ACTIVE)))
