@@ -29,6 +29,9 @@ VARIANTS = {
     "unrolled+while": ("unrolled", "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"),
     "unrolled+while+unroll": ("unrolled", "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL "
                               "--xla_gpu_command_buffer_unroll_loops=true"),
+    # compile-time probes (the unrolled round compiled in ~30 s on the H200)
+    "unrolled-nolhs": ("unrolled", "--xla_gpu_enable_latency_hiding_scheduler=false"),
+    "unrolled-autotune0": ("unrolled", "--xla_gpu_autotune_level=0"),
 }
 
 
@@ -47,6 +50,33 @@ def timed_calls(fn, calls: int) -> dict:
     t2 = time.perf_counter()
     return {"compile_s": compile_s, "dispatch_ms": (t1 - t0) / calls * 1e3,
             "wall_ms": (t2 - t0) / calls * 1e3}
+
+
+def compile_profile(fn, top: int = 40) -> list:
+    """Host time of `fn()`'s first call (tracing, lowering, XLA's compile) by traced event
+    name (XLA's compiler passes are TraceMe events): [(name, ms, count)], largest first.
+    Events nest, so the times overlap."""
+    import collections
+    import glob
+    import tempfile
+
+    import jax
+    from jax.profiler import ProfileData
+
+    d = tempfile.mkdtemp()
+    with jax.profiler.trace(d):
+        jax.block_until_ready(fn())
+    agg = collections.defaultdict(lambda: [0.0, 0])
+    for plane in ProfileData.from_file(glob.glob(f"{d}/**/*.xplane.pb", recursive=True)[0]).planes:
+        if "GPU" in plane.name:
+            continue
+        for line in plane.lines:
+            for ev in line.events:
+                if ev.name.startswith("$"):  # Python frames: the compiler's own events stay
+                    continue
+                agg[ev.name][0] += ev.duration_ns / 1e6
+                agg[ev.name][1] += 1
+    return sorted(((k, v[0], v[1]) for k, v in agg.items()), key=lambda r: -r[1])[:top]
 
 
 def child(args) -> dict:
@@ -68,6 +98,8 @@ def child(args) -> dict:
     modes = {"greedy": SamplingParams(), "sampled": SamplingParams(0.6, 20, 0.95)}
     for mode, sp in modes.items():
         ph = Phases(model, cache, spec, sp, model.exec_config)
+        if args.compile_profile and mode == "greedy":
+            out["compile_profile"] = compile_profile(ph.round)
         out[f"round_{mode}"] = timed_calls(ph.round, args.calls)
         if mode == "greedy":
             out["vanilla8"] = timed_calls(ph.vanilla, args.calls)
@@ -85,6 +117,8 @@ def main(argv=None) -> int:
     p.add_argument("--method", default="vegas")
     p.add_argument("--calls", type=int, default=10)
     p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--compile-profile", action="store_true",
+                   help="also list the host events of the greedy round's compile")
     p.add_argument("--variant", default=None, help=argparse.SUPPRESS)  # the child's
     p.add_argument("--json", default=None, metavar="FILE")
     args = p.parse_args(argv)
@@ -93,11 +127,14 @@ def main(argv=None) -> int:
         return 0
     rows = []
     for v in args.variants.split(","):
+        if v not in VARIANTS:
+            raise SystemExit(f"unknown variant {v!r}; choose from {', '.join(VARIANTS)}")
         env = dict(os.environ)
         env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + VARIANTS[v][1]).strip()
         cmd = [sys.executable, "-m", "benchmarks.dispatch", "--variant", v,
                *[f"--{k}={getattr(args, k)}" for k in ("model", "batch", "context", "gamma",
-                                                        "method", "calls")]]
+                                                        "method", "calls")],
+               *(["--compile-profile"] if args.compile_profile else [])]
         r = subprocess.run(cmd, env=env, capture_output=True, text=True)
         got = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
         if not got:
@@ -105,6 +142,8 @@ def main(argv=None) -> int:
             continue
         row = json.loads(got[0][7:])
         rows.append(row)
+        for name, ms, count in row.get("compile_profile", []):
+            print(f"{v:24s} compile {ms:9.1f} ms x{count:<6d} {name[:90]}", flush=True)
         for k in ("round_greedy", "round_sampled", "vanilla8"):
             c = row[k]
             print(f"{v:24s} {k:14s} dispatch {c['dispatch_ms']:7.2f} ms  wall "
