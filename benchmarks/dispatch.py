@@ -96,6 +96,7 @@ def child(args) -> dict:
     out = {"variant": args.variant, "layers": layers, "xla_flags": flags,
            "device": jax.devices()[0].device_kind}
     modes = {"greedy": SamplingParams(), "sampled": SamplingParams(0.6, 20, 0.95)}
+    modes = {m: modes[m] for m in args.modes.split(",")}
     for mode, sp in modes.items():
         ph = Phases(model, cache, spec, sp, model.exec_config)
         if args.compile_profile and mode == "greedy":
@@ -117,6 +118,7 @@ def main(argv=None) -> int:
     p.add_argument("--method", default="vegas")
     p.add_argument("--calls", type=int, default=10)
     p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--modes", default="greedy,sampled", help="rounds timed (and vanilla)")
     p.add_argument("--compile-profile", action="store_true",
                    help="also list the host events of the greedy round's compile")
     p.add_argument("--variant", default=None, help=argparse.SUPPRESS)  # the child's
@@ -133,7 +135,7 @@ def main(argv=None) -> int:
         env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + VARIANTS[v][1]).strip()
         cmd = [sys.executable, "-m", "benchmarks.dispatch", "--variant", v,
                *[f"--{k}={getattr(args, k)}" for k in ("model", "batch", "context", "gamma",
-                                                        "method", "calls")],
+                                                        "method", "calls", "modes")],
                *(["--compile-profile"] if args.compile_profile else [])]
         r = subprocess.run(cmd, env=env, capture_output=True, text=True)
         got = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
@@ -145,6 +147,8 @@ def main(argv=None) -> int:
         for name, ms, count in row.get("compile_profile", []):
             print(f"{v:24s} compile {ms:9.1f} ms x{count:<6d} {name[:90]}", flush=True)
         for k in ("round_greedy", "round_sampled", "vanilla8"):
+            if k not in row:
+                continue
             c = row[k]
             print(f"{v:24s} {k:14s} dispatch {c['dispatch_ms']:7.2f} ms  wall "
                   f"{c['wall_ms']:7.2f} ms  compile {c['compile_s']:6.1f} s", flush=True)
