@@ -157,3 +157,31 @@ def test_wave_splits_fill_the_last_wave():
     assert wave_splits(384, 7936, 128, 2, 16, 264) == 2  # 768 already fills its waves
     assert wave_splits(192, 7936, 128, 3, 3, 264) == 3  # never past j_max
     assert 17 <= wave_splits(32, 32896, 128, 17, 64, 132) <= 26  # at most 1.5x the target
+
+
+@pytest.mark.parametrize("capture,rows", [("mean", (0, 3)), ("rows", (0, 3, 3)),
+                                          ("heads", (0, 2))])
+def test_capture_scores_kernel_matches_reference(capture, rows):
+    """The capture epilogue kernel (interpret mode) against its jnp reference: stale
+    logits past each row's position and garbage in unwritten rows must not leak in."""
+    from pallas_kernels.verify_attention import (
+        _capture_weights, capture_scores, capture_scores_reference)
+
+    b, kh, g, s = 3, 2, 3, 300
+    uniq = sorted(set(rows))
+    mult = [rows.count(u) / len(rows) for u in uniq]
+    n_cap = len(uniq) * g
+    r = kh * n_cap
+    ks = jax.random.split(jax.random.PRNGKey(4), 3)
+    cbuf = (4 * jax.random.normal(ks[0], (b * r + 8, 384))).astype(jnp.float16)
+    cbuf = cbuf.at[-8:].set(jnp.inf)  # spare rows: never read
+    lse = 3.0 + jax.random.normal(ks[1], (b, r))
+    pos = jnp.array([[250, 253], [10, 13], [-1, -1]])[:, :len(uniq)]  # last: finished
+    rowpos = jnp.tile(jnp.repeat(pos, g, axis=1), (1, kh))
+    w = _capture_weights(capture, kh, g, uniq, list(rows), mult)
+    ref = capture_scores_reference(cbuf, lse, rowpos, w, s)
+    got = capture_scores(cbuf, lse, rowpos, w, s, block_s=128, interpret=True)
+    assert got.shape == ref.shape == (b, w.shape[0], s)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-6)
+    assert np.abs(np.asarray(ref[1, :, 14:])).max() == 0  # past the rows' positions
+    assert np.abs(np.asarray(ref[2])).max() == 0

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 
 import jax
 
@@ -72,16 +71,11 @@ class ExecConfig:
         return "auto" not in (self.attn, self.gemm, self.layers, self.draft)
 
     def compiler_options(self) -> dict:
-        """XLA options of every jitted model function. GPU: compile the module's kernels
-        in parallel (an unrolled SmolLM2 round is ~150 kernel modules: 23 s one by one on
-        the H200); cuBLAS, reading a layer loop's weight slices in place. The CPU compiler
-        ignores the GPU options."""
-        par = {"xla_gpu_enable_llvm_module_compilation_parallelism": True,
-               "xla_gpu_force_compilation_parallelism": max(1, min(os.cpu_count() or 1, 16))}
+        """XLA options of every jitted model function: on the GPU, cuBLAS reading a layer
+        loop's weight slices in place."""
         if self.gemm != "cublas":
-            return par
-        return {**par, "xla_gpu_enable_triton_gemm": False,
-                "xla_gpu_enable_dynamic_slice_fusion": True}
+            return {}
+        return {"xla_gpu_enable_triton_gemm": False, "xla_gpu_enable_dynamic_slice_fusion": True}
 
 
 jax.tree_util.register_static(ExecConfig)
