@@ -72,7 +72,8 @@ def _count_ge(key, thr, how):
 
 
 def kth_largest_key(key, k, *, radix_bits=2, count_impl="sep"):
-    """key [R, s] uint32 -> [R] uint32, the k-th largest key of each row (1 <= k <= s)."""
+    """key [R, s] uint32 -> [R] uint32, the k-th largest key of each row (1 <= k <= s; an
+    int, or [R, 1] per row)."""
     if 32 % radix_bits:
         raise ValueError("radix_bits must divide 32")
     ncand = (1 << radix_bits) - 1
@@ -98,11 +99,14 @@ def _block_prefix(v, block):
     return p
 
 
-def select_topk_fast(scores, k, *, radix_bits=2, count_impl="sep", block=128):
+def select_topk_fast(scores, k, *, counts=None, radix_bits=2, count_impl="sep", block=128):
     """Indices of the k largest scores along the last axis: scores [..., s] (fp32; -inf for
     masked positions) -> int32 [..., k], exact up to ties (ties broken by lower position,
     like `lax.top_k`); the order inside the set is by position, not by score. Rows with
     fewer than k finite entries are filled with -inf positions (as `lax.top_k` does).
+    counts [...] (1 <= counts <= k), optional: row r selects only its counts[r] largest,
+    in its first counts[r] slots; the slots after them hold position 0 (a valid sentinel
+    for a reader that stops at the count).
     One call serves all layers and sequences at once: scores [L, b, s] -> [L, b, k].
     Defaults from the H200 run 3 (BENCHMARKS.md): radix_bits=2 (16 count passes of 3
     thresholds) with sibling reductions beat 4 bits and the broadcast forms."""
@@ -112,11 +116,14 @@ def select_topk_fast(scores, k, *, radix_bits=2, count_impl="sep", block=128):
         raise ValueError(f"need 1 <= k <= s, got k={k}, s={s}")
     x = scores.reshape(-1, s)
     r = x.shape[0]
+    want = (jnp.full((r,), k, jnp.int32) if counts is None
+            else jnp.broadcast_to(counts, tuple(lead)).reshape(r).astype(jnp.int32))
     key = sortable_keys(x)
-    t = kth_largest_key(key, k, radix_bits=radix_bits, count_impl=count_impl)[:, None]
+    t = kth_largest_key(key, want[:, None], radix_bits=radix_bits, count_impl=count_impl)
+    t = t[:, None]
     gt = key > t
     eq = key == t
-    need = k - jnp.sum(gt, axis=1, dtype=jnp.int32)  # >= 1 ties to take, by position
+    need = want - jnp.sum(gt, axis=1, dtype=jnp.int32)  # >= 1 ties to take, by position
     pad = (-s) % block
     # one matmul for both prefixes: gt + 256 * eq (in-block counts <= 128 < 256)
     v = gt.astype(jnp.float32) + 256.0 * eq.astype(jnp.float32)

@@ -83,3 +83,19 @@ def test_select_topk_fast_lowers_for_cuda():
     sd = jax.ShapeDtypeStruct
     jax.jit(lambda x: select_topk_fast(x, 574)).trace(sd((3, 4, 8192), jnp.float32)).lower(
         lowering_platforms=("cuda",))
+
+
+def test_select_topk_fast_counts_per_row():
+    """counts[r] < k: row r's first counts[r] slots are its counts[r] largest, by position,
+    and the slots after them hold position 0."""
+    x = jax.random.normal(jax.random.PRNGKey(3), (2, 3, 500))
+    counts = jnp.array([[60, 1, 33], [64, 17, 64]])
+    idx = np.asarray(select_topk_fast(x, 64, counts=counts))
+    for r in range(2):
+        for c in range(3):
+            n = int(counts[r, c])
+            got = idx[r, c, :n]
+            assert (np.diff(got) > 0).all()  # position order
+            want = np.asarray(jax.lax.top_k(x[r, c], n)[1])
+            assert set(got.tolist()) == set(want.tolist())
+            assert (idx[r, c, n:] == 0).all()
