@@ -354,7 +354,9 @@ def capture_scores(cbuf, lse, rowpos, w, s, *, block_s=512, interpret=False):
     b, r = lse.shape
     n_out = w.shape[0]
     rp_n, no = pow2_at_least(r), pow2_at_least(n_out)
-    block_s = min(block_s, pow2_at_least(s))
+    # a [rows, block_s] fp32 tile of at most 32 x 512: every verify row captured (`last`,
+    # 64 rows at gamma 6) with 512 columns asked Triton for 264 KB of shared memory
+    block_s = min(block_s, max(128, 16384 // rp_n), pow2_at_least(s))
     nsb = pl.cdiv(s, block_s)
     lse_p = jnp.pad(lse.astype(jnp.float32), ((0, 0), (0, rp_n - r)))
     rp_p = jnp.pad(rowpos.astype(jnp.int32), ((0, 0), (0, rp_n - r)), constant_values=-1)

@@ -119,14 +119,8 @@ def attention(plan: AttnPlan, xc, q, k_cache, v_cache, layer, positions):
             return out, scores
 
         sspec = None if cap is None else P(None, AXIS, None) if heads else REP
-        out, scores = per_device(local, xc, (HEADS5, HEADS5, HEADS5, REP, REP),
-                                 (HEADS5, sspec))(q, k_cache, v_cache, layer, positions)
-        if scores is not None:
-            # each layer's scores made in the layer: with unrolled layers XLA fused all
-            # layers' capture epilogues and their stacking into one fusion, 1.1 ms a round
-            # at SmolLM2 B 64 (H200) for ~0.6 GB of reads
-            scores = lax.optimization_barrier(scores)
-        return out, scores
+        return per_device(local, xc, (HEADS5, HEADS5, HEADS5, REP, REP), (HEADS5, sspec))(
+            q, k_cache, v_cache, layer, positions)
     if plan.mode == "sparse":
         idx, count, at = plan.idx, plan.count, (layer if plan.layered else 0)
         if plan.picker is not None:
