@@ -329,7 +329,27 @@ def capture_scores_reference(cbuf, lse, rowpos, w, s):
     return jnp.einsum("or,brs->bos", jnp.asarray(w), p, precision=lax.Precision.HIGHEST)
 
 
-def _capture_scores_kernel(cbuf_ref, lse_ref, rp_ref, w_ref, o_ref, *, r, block_s, s_len):
+@dataclasses.dataclass(frozen=True)
+class CaptureBlocks:
+    """Tuning knobs of `capture_scores`: block_s key columns a program (cut so that a
+    program's [rows, block_s] fp32 tile stays within `tile` elements: every verify row
+    captured (`last`, 64 rows at gamma 6) at 512 columns asked Triton for 264 KB of shared
+    memory), num_warps, and how the rows reduce into the output vectors: one small "dot"
+    with the weight matrix, or a masked "sum" per output vector (no tensor-core operands
+    in shared memory). `benchmarks.tune_capture` times them."""
+
+    block_s: int = 512
+    tile: int = 16384
+    num_warps: int = 4
+    reduce: str = "dot"
+
+    def __post_init__(self):
+        if self.reduce not in ("dot", "sum"):
+            raise ValueError(f"reduce must be 'dot' or 'sum', got {self.reduce!r}")
+
+
+def _capture_scores_kernel(cbuf_ref, lse_ref, rp_ref, w_ref, o_ref, *, r, n_out, block_s,
+                           s_len, reduce):
     # cbuf_ref [b * r + spare, s_pad]; lse_ref, rp_ref [b, RP]; w_ref [NO, RP];
     # o_ref [NO, block_s]
     bi, sj = pl.program_id(0), pl.program_id(1)
@@ -343,33 +363,35 @@ def _capture_scores_kernel(cbuf_ref, lse_ref, rp_ref, w_ref, o_ref, *, r, block_
     rp = rp_ref[bi, :]
     vis = ok & (cols[None, :] <= rp[:, None])
     p = jnp.where(vis, jnp.exp2(logits - lse[:, None]), 0.0)
-    o_ref[...] = dot(w_ref[...], p)  # [NO, block_s]
+    if reduce == "dot":
+        o_ref[...] = dot(w_ref[...], p)  # [NO, block_s]
+        return
+    for i in range(n_out):  # rows past n_out are never read
+        o_ref[i, :] = jnp.sum(p * w_ref[i, :][:, None], axis=0)
 
 
-def capture_scores(cbuf, lse, rowpos, w, s, *, block_s=512, interpret=False):
+def capture_scores(cbuf, lse, rowpos, w, s, *, blocks: CaptureBlocks = CaptureBlocks(),
+                   interpret=False):
     """`capture_scores_reference` as one Pallas (Triton) kernel a layer: programs over
     (sequence, key block), each reads its rows' logits once. (In XLA the 30 layers'
     epilogues were fused into one multi-output loop fusion with the reductions inlined:
-    1.1-1.4 ms a SmolLM2 round at B 64 on the H200.)"""
+    1.1-1.4 ms a SmolLM2 round at B 64 on the H200; this kernel: 0.8 ms.)"""
     b, r = lse.shape
     n_out = w.shape[0]
     rp_n, no = pow2_at_least(r), pow2_at_least(n_out)
-    # a [rows, block_s] fp32 tile of at most 32 x 512: every verify row captured (`last`,
-    # 64 rows at gamma 6) with 512 columns asked Triton for 264 KB of shared memory
-    block_s = min(block_s, max(128, 16384 // rp_n), pow2_at_least(s))
+    block_s = min(blocks.block_s, max(16, blocks.tile // rp_n), pow2_at_least(s))
     nsb = pl.cdiv(s, block_s)
     lse_p = jnp.pad(lse.astype(jnp.float32), ((0, 0), (0, rp_n - r)))
     rp_p = jnp.pad(rowpos.astype(jnp.int32), ((0, 0), (0, rp_n - r)), constant_values=-1)
     w_p = jnp.pad(jnp.asarray(w, jnp.float32), ((0, no - n_out), (0, rp_n - r)))
     out = pl.pallas_call(
-        functools.partial(_capture_scores_kernel, r=r, block_s=block_s, s_len=s),
+        functools.partial(_capture_scores_kernel, r=r, n_out=n_out, block_s=block_s, s_len=s,
+                          reduce=blocks.reduce),
         grid=(b, nsb),
-        in_specs=[whole(cbuf.shape), pl.BlockSpec((b, rp_n), lambda bi, sj: (0, 0)),
-                  pl.BlockSpec((b, rp_n), lambda bi, sj: (0, 0)),
-                  pl.BlockSpec((no, rp_n), lambda bi, sj: (0, 0))],
+        in_specs=[whole(cbuf.shape), whole((b, rp_n)), whole((b, rp_n)), whole((no, rp_n))],
         out_specs=pl.BlockSpec((None, no, block_s), lambda bi, sj: (bi, 0, sj)),
         out_shape=jax.ShapeDtypeStruct((b, no, nsb * block_s), jnp.float32),
-        compiler_params=pltr.CompilerParams(num_warps=4, num_stages=1),
+        compiler_params=pltr.CompilerParams(num_warps=blocks.num_warps, num_stages=1),
         interpret=interpret,
         name="vegas_capture_scores",
     )(cbuf, lse_p, rp_p, w_p)
