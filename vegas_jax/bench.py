@@ -212,6 +212,11 @@ def hf_reference(model, prompts, new_tokens: int, sampling, prompt_lookup: bool 
     from vegas_jax.checkpoint.hf import to_hf_config, to_hf_state_dict
     from vegas_jax.model import param_dtype, stack_layers
 
+    if model.config.is_moe:
+        # transformers holds the experts as fused tensors: load_state_dict below would skip
+        # our per-expert names and leave them uninitialised
+        raise ValueError("--hf-reference does not support mixture-of-experts models yet")
+
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     hf_cfg = to_hf_config(model.config)
     config = transformers.AutoConfig.for_model(**hf_cfg)

@@ -32,10 +32,10 @@ class RopeScaling:
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     name: str
-    arch: str  # "llama" | "qwen3"
+    arch: str  # "llama" | "qwen3" (the attention; the MLP is dense or MoE, `num_experts`)
     vocab_size: int
     hidden_size: int
-    intermediate_size: int
+    intermediate_size: int  # dense MLP width; an MoE model's is the checkpoint's, unused
     num_layers: int
     num_heads: int
     num_kv_heads: int
@@ -48,6 +48,12 @@ class ModelConfig:
     rope_scaling: RopeScaling | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Mixture of experts (Qwen3-MoE): 0 experts is a dense model. Every layer's MLP is
+    # then the MoE block; layouts mixing dense and MoE layers are refused on reading.
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0  # one expert's MLP width
+    norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to 1
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -55,6 +61,19 @@ class ModelConfig:
                 f"{self.name}: num_heads={self.num_heads} is not a multiple of "
                 f"num_kv_heads={self.num_kv_heads}"
             )
+        if self.num_experts < 0 or (self.num_experts and not (
+                1 <= self.experts_per_token <= self.num_experts
+                and self.moe_intermediate_size > 0)):
+            raise ValueError(
+                f"{self.name}: a mixture of experts needs 1 <= experts_per_token <= "
+                f"num_experts and moe_intermediate_size > 0; got num_experts="
+                f"{self.num_experts}, experts_per_token={self.experts_per_token}, "
+                f"moe_intermediate_size={self.moe_intermediate_size}"
+            )
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     @property
     def group_size(self) -> int:
@@ -90,7 +109,11 @@ class ModelConfig:
     def num_params(self) -> int:
         h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
         attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
-        per_layer = attn + 3 * h * i + 2 * h + (2 * d if self.qk_norm else 0)
+        if self.is_moe:  # router + every expert (all of them are held, k are run)
+            mlp = h * self.num_experts * (1 + 3 * self.moe_intermediate_size)
+        else:
+            mlp = 3 * h * i
+        per_layer = attn + mlp + 2 * h + (2 * d if self.qk_norm else 0)
         head = 0 if self.tie_embeddings else self.vocab_size * h
         return self.num_layers * per_layer + self.vocab_size * h + h + head
 
@@ -127,6 +150,11 @@ REGISTRY: dict[str, ModelConfig] = {
         _qwen3("qwen3-8b", 4096, 12288, 36, 32, False),
         _qwen3("qwen3-14b", 5120, 17408, 40, 40, False),
         _qwen3("qwen3-32b", 5120, 25600, 64, 64, False),
+        dataclasses.replace(
+            _qwen3("qwen3-30b-a3b", 2048, 6144, 48, 32, False), num_kv_heads=4,
+            num_experts=128, experts_per_token=8, moe_intermediate_size=768,
+            norm_topk_prob=True,
+        ),
         ModelConfig(
             name="llama-3.1-8b", arch="llama", vocab_size=128256, hidden_size=4096,
             intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
@@ -168,11 +196,13 @@ def from_hf_config(hf: dict[str, Any] | str | Path, name: str | None = None) -> 
             raise FileNotFoundError(f"no config.json at {path}")
         hf = json.loads(path.read_text())
     model_type = hf.get("model_type", "llama")
-    if model_type not in ("llama", "qwen3", "mistral"):
+    if model_type not in ("llama", "qwen3", "qwen3_moe", "mistral"):
         raise ValueError(
-            f"unsupported model_type {model_type!r}: vegas_jax supports llama and qwen3 checkpoints"
+            f"unsupported model_type {model_type!r}: vegas_jax supports llama, qwen3 and "
+            f"qwen3_moe checkpoints"
         )
-    arch = "qwen3" if model_type == "qwen3" else "llama"
+    arch = "qwen3" if model_type in ("qwen3", "qwen3_moe") else "llama"
+    moe = _moe_fields(hf) if model_type == "qwen3_moe" else {}
     if hf.get("attention_bias") or hf.get("mlp_bias"):
         raise ValueError("checkpoints with attention or MLP biases are not supported")
     heads = hf["num_attention_heads"]
@@ -218,6 +248,32 @@ def from_hf_config(hf: dict[str, Any] | str | Path, name: str | None = None) -> 
         rope_scaling=scaling,
         bos_token_id=hf.get("bos_token_id"),
         eos_token_ids=_eos_tuple(hf.get("eos_token_id")),
+        **moe,
+    )
+
+
+def _moe_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """ModelConfig's MoE fields from a Qwen3-MoE config.json. A layer is MoE unless it is
+    in `mlp_only_layers` or (index + 1) is not a multiple of `decoder_sparse_step`; only
+    all-MoE layouts (those of Qwen3-30B-A3B and Qwen3-235B-A22B) are supported. 0 experts
+    makes every layer dense: a Qwen3 model."""
+    experts = int(hf.get("num_experts", hf.get("num_local_experts", 0)) or 0)
+    if not experts:
+        return {}
+    step = int(hf.get("decoder_sparse_step", 1) or 1)
+    dense_layers = sorted(set(hf.get("mlp_only_layers") or ()) | {
+        i for i in range(hf["num_hidden_layers"]) if (i + 1) % step})
+    if dense_layers:
+        raise ValueError(
+            f"unsupported Qwen3-MoE layout: layers {dense_layers} have a dense MLP "
+            f"(decoder_sparse_step={step}, mlp_only_layers={hf.get('mlp_only_layers')}); "
+            f"vegas_jax supports only models whose every layer is a mixture of experts"
+        )
+    return dict(
+        num_experts=experts,
+        experts_per_token=int(hf["num_experts_per_tok"]),
+        moe_intermediate_size=int(hf["moe_intermediate_size"]),
+        norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
     )
 
 

@@ -37,6 +37,7 @@ HUB_REPOS = {
     "qwen3-8b": "Qwen/Qwen3-8B",
     "qwen3-14b": "Qwen/Qwen3-14B",
     "qwen3-32b": "Qwen/Qwen3-32B",
+    "qwen3-30b-a3b": "Qwen/Qwen3-30B-A3B",
     "llama-3.1-8b": "meta-llama/Llama-3.1-8B-Instruct",
 }
 _HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.jinja"]

@@ -100,7 +100,9 @@ def check_memory(model, batch: int, max_len: int, prompt_len: int, attn: str = "
     kv = cache_bytes(cfg, batch, max_len, param_dtype(model.params))
     # Largest transients: prefill activations and the chunked attention logits.
     q_len = prefill_chunk(batch, _round_up(prompt_len, PROMPT_BUCKET))
-    act = batch * q_len * (cfg.hidden_size * 4 + cfg.intermediate_size * 3) * 4
+    # an MoE layer's MLP rows: each token's k experts (the sorted (token, expert) rows)
+    mlp = cfg.experts_per_token * cfg.moe_intermediate_size if cfg.is_moe else cfg.intermediate_size
+    act = batch * q_len * (cfg.hidden_size * 4 + mlp * 3) * 4
     # The XLA attention path materialises [b, heads, 512 queries, s] logits per chunk; the
     # Pallas kernels keep them on chip.
     att = batch * cfg.num_heads * min(q_len, 512) * max_len * 4 * 3 if attn == "xla" else 0

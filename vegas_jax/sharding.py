@@ -27,9 +27,14 @@ AXIS = "tp"
 
 
 def check_tp(cfg: ModelConfig, tp: int) -> None:
-    """tp must divide the KV heads (and so the query heads); there must be tp devices."""
+    """tp must divide the KV heads (and so the query heads); there must be tp devices;
+    mixture-of-experts models run on one device."""
     if int(tp) != tp or tp < 1:
         raise ValueError(f"tp must be a whole number >= 1, got {tp}")
+    if cfg.is_moe and tp > 1:
+        # the experts' weights have no per-shard layout or shardings here yet
+        raise ValueError(f"tensor parallel is not supported for mixture-of-experts models "
+                         f"({cfg.name}: {cfg.num_experts} experts); run it with tp=1")
     if cfg.num_kv_heads % tp or cfg.intermediate_size % tp:
         raise ValueError(f"tp={tp} must divide {cfg.name}'s {cfg.num_kv_heads} KV heads "
                          f"(and its MLP width {cfg.intermediate_size}); choose one of "

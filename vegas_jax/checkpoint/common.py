@@ -21,7 +21,8 @@ _DTYPES = {
 # agree on these are the same model.
 STRUCTURE_FIELDS = (
     "arch", "num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
-    "intermediate_size", "vocab_size",
+    "intermediate_size", "vocab_size", "num_experts", "experts_per_token",
+    "moe_intermediate_size",
 )
 
 
@@ -80,6 +81,7 @@ def registry_match(cfg: ModelConfig) -> ModelConfig | None:
             not structure_diff(entry, cfg)
             and entry.tie_embeddings == cfg.tie_embeddings
             and entry.qk_norm == cfg.qk_norm
+            and entry.norm_topk_prob == cfg.norm_topk_prob
             and np.isclose(entry.rope_theta, cfg.rope_theta)
         ):
             return entry
@@ -93,9 +95,14 @@ def layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     n, k = cfg.num_heads, cfg.num_kv_heads
     shapes = {
         "attn_norm": (h,), "wq": (h, n * d), "wk": (h, k * d), "wv": (h, k * d),
-        "wo": (n * d, h), "mlp_norm": (h,), "w_gate": (h, f), "w_up": (h, f),
-        "w_down": (f, h),
+        "wo": (n * d, h), "mlp_norm": (h,),
     }
+    if cfg.is_moe:
+        e, fe = cfg.num_experts, cfg.moe_intermediate_size
+        shapes.update({"w_router": (h, e), "w_expert_gate": (e, h, fe),
+                       "w_expert_up": (e, h, fe), "w_expert_down": (e, fe, h)})
+    else:
+        shapes.update({"w_gate": (h, f), "w_up": (h, f), "w_down": (f, h)})
     if cfg.qk_norm:
         shapes["q_norm"] = (d,)
         shapes["k_norm"] = (d,)
@@ -106,17 +113,18 @@ def field_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Per-layer shapes of every LayerParams field (without the leading layer axis)."""
     parts = layer_shapes(cfg)
     out = {k: s for k, s in parts.items() if not any(k in ps for ps in FUSED.values())}
-    for name, ps in FUSED.items():
-        out[name] = (parts[ps[0]][0], sum(parts[p][1] for p in ps))
+    for name in fused_widths(cfg):
+        ps = FUSED[name]
+        out[name] = (*parts[ps[0]][:-1], sum(parts[p][-1] for p in ps))
     return out
 
 
 def split_fused(cfg: ModelConfig, fields: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """LayerParams fields (numpy, fused) -> the checkpoint projections `FUSED` holds."""
     out = dict(fields)
-    for name, parts in FUSED.items():
-        cuts = np.cumsum(fused_widths(cfg)[name])[:-1]
-        out.update(zip(parts, np.split(out.pop(name), cuts, axis=-1)))
+    for name, widths in fused_widths(cfg).items():
+        cuts = np.cumsum(widths)[:-1]
+        out.update(zip(FUSED[name], np.split(out.pop(name), cuts, axis=-1)))
     return out
 
 
@@ -157,9 +165,9 @@ def stack_layers(
     stacked = {k: np.empty((L, *s), dtype) for k, s in field_shapes(cfg).items()}
     # Where each checkpoint tensor goes: (field, first column, last column) or (field,).
     where: dict[str, tuple] = {k: (k,) for k in stacked}
-    for name, ps in FUSED.items():
+    for name, widths in fused_widths(cfg).items():
         start = 0
-        for p, w in zip(ps, fused_widths(cfg)[name]):
+        for p, w in zip(FUSED[name], widths):
             where[p] = (name, start, start + w)
             start += w
     layers = range(L)
@@ -176,7 +184,7 @@ def stack_layers(
             _check_shape(f"layer {i} {k}", got[k], s)
             field, *cols = where[k]
             if cols:
-                stacked[field][i, :, cols[0]:cols[1]] = got[k].astype(dtype, copy=False)
+                stacked[field][i, ..., cols[0]:cols[1]] = got[k].astype(dtype, copy=False)
             else:
                 stacked[field][i] = got[k].astype(dtype, copy=False)
     return LayerParams(**stacked)

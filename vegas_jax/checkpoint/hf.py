@@ -1,4 +1,5 @@
-"""Hugging Face checkpoint directory (config.json + *.safetensors) -> `Params` on the host.
+"""Hugging Face checkpoint directory (config.json + *.safetensors) -> `Params` on the host
+(Llama, Qwen3, Qwen3-MoE).
 
 HF `nn.Linear` weights are [out, in]; ours are [in, out]. Layers are stacked on axis 0.
 Tensors are read straight from the safetensors files through a memory map (the format is
@@ -115,7 +116,8 @@ def read_config(path: str | Path, name: str | None = None) -> ModelConfig:
 
 
 def layer_names(cfg: ModelConfig) -> dict[str, tuple[str, bool]]:
-    """Our LayerParams field -> (HF tensor name inside a layer, stored transposed?).
+    """Our LayerParams field -> (HF tensor name inside a layer, stored transposed?); an MoE
+    model's experts are in `EXPERT_NAMES`.
 
     HF `nn.Linear` weights are [out, in]; ours are [in, out]."""
     names = {
@@ -125,14 +127,29 @@ def layer_names(cfg: ModelConfig) -> dict[str, tuple[str, bool]]:
         "wv": ("self_attn.v_proj.weight", True),
         "wo": ("self_attn.o_proj.weight", True),
         "mlp_norm": ("post_attention_layernorm.weight", False),
-        "w_gate": ("mlp.gate_proj.weight", True),
-        "w_up": ("mlp.up_proj.weight", True),
-        "w_down": ("mlp.down_proj.weight", True),
     }
+    if cfg.is_moe:
+        names["w_router"] = ("mlp.gate.weight", True)
+    else:
+        names.update({
+            "w_gate": ("mlp.gate_proj.weight", True),
+            "w_up": ("mlp.up_proj.weight", True),
+            "w_down": ("mlp.down_proj.weight", True),
+        })
     if cfg.qk_norm:
         names["q_norm"] = ("self_attn.q_norm.weight", False)
         names["k_norm"] = ("self_attn.k_norm.weight", False)
     return names
+
+
+# Our stacked expert projection -> HF tensor name of expert E inside a layer, as Qwen3-MoE
+# checkpoints (and transformers' save_pretrained) store them: one nn.Linear per expert,
+# [out, in] (transformers fuses them into 3-D parameters only in memory).
+EXPERT_NAMES = {
+    "w_expert_gate": "mlp.experts.{}.gate_proj.weight",
+    "w_expert_up": "mlp.experts.{}.up_proj.weight",
+    "w_expert_down": "mlp.experts.{}.down_proj.weight",
+}
 
 
 def to_hf_state_dict(cfg: ModelConfig, params: Params) -> dict[str, np.ndarray]:
@@ -148,14 +165,19 @@ def to_hf_state_dict(cfg: ModelConfig, params: Params) -> dict[str, np.ndarray]:
         stacked = fields[ours]
         for i in range(cfg.num_layers):
             out[f"model.layers.{i}.{hf}"] = stacked[i].T if transposed else stacked[i]
+    for ours, hf in (EXPERT_NAMES.items() if cfg.is_moe else ()):
+        for i in range(cfg.num_layers):
+            for e in range(cfg.num_experts):
+                out[f"model.layers.{i}.{hf.format(e)}"] = fields[ours][i, e].T
     out["lm_head.weight"] = np.asarray(params.embed if params.lm_head is None else params.lm_head.T)
     return out
 
 
 def to_hf_config(cfg: ModelConfig) -> dict:
-    """A transformers config dict for `cfg` (Llama or Qwen3)."""
+    """A transformers config dict for `cfg` (Llama, Qwen3 or Qwen3-MoE)."""
     d = {
-        "model_type": cfg.arch, "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+        "model_type": "qwen3_moe" if cfg.is_moe else cfg.arch,
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_layers,
         "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
         "head_dim": cfg.head_dim, "rms_norm_eps": cfg.rms_norm_eps,
@@ -164,6 +186,10 @@ def to_hf_config(cfg: ModelConfig) -> dict:
         "bos_token_id": cfg.bos_token_id,
         "eos_token_id": list(cfg.eos_token_ids) if cfg.eos_token_ids else None,
     }
+    if cfg.is_moe:
+        d.update(num_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token,
+                 moe_intermediate_size=cfg.moe_intermediate_size,
+                 norm_topk_prob=cfg.norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=[])
     rs = cfg.rope_scaling
     if rs is not None:
         d["rope_scaling"] = {"rope_type": rs.kind, "factor": rs.factor,
@@ -177,7 +203,7 @@ def to_hf_config(cfg: ModelConfig) -> dict:
 def load_hf_checkpoint(
     path: str | Path, dtype="bfloat16", name: str | None = None, progress: bool | None = None
 ) -> tuple[ModelConfig, Params]:
-    """Read an HF Llama / Qwen3 checkpoint directory into host arrays of `dtype`."""
+    """Read an HF Llama / Qwen3 / Qwen3-MoE checkpoint directory into host arrays of `dtype`."""
     path = Path(path)
     cfg = read_config(path, name=name)
     dt = np_dtype(dtype)
@@ -188,10 +214,14 @@ def load_hf_checkpoint(
 
     def layer(i: int):
         p = f"{prefix}layers.{i}."
-        return {
+        out = {
             ours: st.get(p + hf).T if transposed else st.get(p + hf)
             for ours, (hf, transposed) in layer_names(cfg).items()
         }
+        for ours, hf in (EXPERT_NAMES.items() if cfg.is_moe else ()):
+            # one layer's experts as [e, in, out]: a copy of one layer, not of the model
+            out[ours] = np.stack([st.get(p + hf.format(e)).T for e in range(cfg.num_experts)])
+        return out
 
     layers = stack_layers(cfg, layer, dt, progress=progress, desc=f"{path.name} layers")
     lm_head = None

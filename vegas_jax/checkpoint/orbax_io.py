@@ -95,7 +95,8 @@ def _stored_shapes(cfg: ModelConfig, version: int) -> dict:
 def _fuse_v1(layers: dict, concatenate) -> dict:
     out = dict(layers)
     for name, parts in FUSED.items():
-        out[name] = concatenate([out.pop(p) for p in parts], axis=-1)
+        if parts[0] in out:  # version 1 predates MoE: its layers are dense
+            out[name] = concatenate([out.pop(p) for p in parts], axis=-1)
     return out
 
 
