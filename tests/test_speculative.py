@@ -269,6 +269,43 @@ def test_selection_prefix_is_the_exact_top_count():
     assert int(count[0, 0]) == 29 and int(count[0, 1]) == 71  # below K = 72
 
 
+def test_window_keeps_sink_and_recent_inside_the_budget():
+    """VerifyGuided(sink, recent): the first `sink` and last `recent` positions of the
+    ranked range are selected whatever their scores, the rest is the top by score, and the
+    count (the bytes a draft reads) is the paper selector's."""
+    spec = SpecConfig(gamma=4, sparsity=0.07, min_tokens=8)
+    max_len = 1024
+    scores = jax.random.uniform(jax.random.PRNGKey(3), (2, 2, max_len))
+    scores = scores.at[:, :, :4].set(-1.0).at[:, 0, 395:401].set(-1.0)  # worst scores
+    n = jnp.array([400, 1000])
+    win = sel.VerifyGuided("pair", sink=4, recent=6)
+    assert win.name == "vegas-window"
+    got = win.update(spec, None, scores, _Cache(max_len), n, jnp.zeros_like(n))
+    ref_idx, ref_count = sel.select_topk(scores, n, spec, max_len)
+    np.testing.assert_array_equal(np.asarray(got.count), np.asarray(ref_count))
+    for layer in range(2):
+        for b in range(2):
+            c = int(got.count[layer, b])
+            s = set(np.asarray(got.idx[layer, b, :c]).tolist())
+            forced = set(range(4)) | set(range(int(n[b]) - 5, int(n[b]) + 1))
+            assert forced <= s
+            masked = jnp.where(jnp.arange(max_len) <= n[b], scores[layer, b], -jnp.inf)
+            masked = masked.at[jnp.array(sorted(forced))].set(-jnp.inf)
+            rest = set(np.asarray(jax.lax.top_k(masked, c - len(forced))[1]).tolist())
+            assert s == forced | rest
+
+
+def test_window_greedy_equals_vanilla(tiny, prompts, vanilla):
+    res = speculative_generate(tiny, prompts, 48, SpecConfig(method="vegas-window", gamma=3,
+                                                             min_tokens=8))
+    assert res.tokens == vanilla.tokens
+
+
+class _Cache:
+    def __init__(self, max_len):
+        self.max_len = max_len
+
+
 def test_auto_equals_vanilla_and_reports_its_choices(tiny, prompts, vanilla):
     res = speculative_generate(tiny, prompts, 48, SpecConfig(method="auto", gamma=3,
                                                              min_tokens=8))

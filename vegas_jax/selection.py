@@ -119,10 +119,15 @@ class VerifyGuided(Method):
     or "last" (the row of the last accepted token, SpecExtend-style).
     heads: one index set per KV head, ranked by that head's query heads only (as SparseSpec
     does), instead of one per layer from all heads; the same entries per head, so the
-    same bytes per draft step."""
+    same bytes per draft step.
+    sink, recent: the first `sink` positions and the last `recent` of the ranked range are
+    always selected, inside the same budget (issue 16: a guaranteed window; the paper's
+    selector has none)."""
 
     rows: str = "pair"
     heads: bool = False
+    sink: int = 0
+    recent: int = 0
     NAMES: ClassVar[dict] = {"pair": "vegas", "all": "vegas-all", "last": "last"}
 
     def __post_init__(self):
@@ -130,10 +135,23 @@ class VerifyGuided(Method):
             raise ValueError(f"rows must be one of {tuple(self.NAMES)}, got {self.rows!r}")
         if self.heads and self.rows == "last":
             raise ValueError("heads=True needs rows 'pair' or 'all'")
+        if self.sink < 0 or self.recent < 0:
+            raise ValueError(f"sink and recent must be >= 0, got {self.sink}, {self.recent}")
 
     @property
     def name(self) -> str:  # type: ignore[override]
-        return self.NAMES[self.rows] + ("-heads" if self.heads else "")
+        window = "-window" if self.sink or self.recent else ""
+        return self.NAMES[self.rows] + ("-heads" if self.heads else "") + window
+
+    def _guaranteed(self, scores, r_end):
+        """scores [L, b, (r | k,) s] with the sink and the recent window of the ranked range
+        0..r_end [b] ranked above everything else (+inf: ties go by position)."""
+        if not (self.sink or self.recent):
+            return scores
+        pos = jnp.arange(scores.shape[-1])
+        end = r_end.reshape((1, -1) + (1,) * (scores.ndim - 2))  # against [L, b, ..., s]
+        keep = (pos < self.sink) | (pos > end - self.recent)
+        return jnp.where(keep, jnp.inf, scores)
 
     def capture(self, spec):
         every = tuple(range(spec.gamma + 1))
@@ -151,7 +169,8 @@ class VerifyGuided(Method):
 
     def init(self, spec, cache, scores, lens):
         # The last prompt token's row ranks the whole prompt.
-        idx, count = select_topk(scores, lens - 1, spec, cache.max_len)
+        idx, count = select_topk(self._guaranteed(scores, lens - 1), lens - 1, spec,
+                                 cache.max_len)
         return TopK(idx, count, lens)
 
     def draft_plan(self, spec, sel, cache, pos):
@@ -161,7 +180,7 @@ class VerifyGuided(Method):
     def update(self, spec, sel, scores, cache, n, n_acc):
         if self.rows == "last":  # scores [L, b, r, s]: keep the last accepted token's row
             scores = jnp.take_along_axis(scores, n_acc[None, :, None, None], axis=2)[:, :, 0]
-        idx, count = select_topk(scores, n, spec, cache.max_len)
+        idx, count = select_topk(self._guaranteed(scores, n), n, spec, cache.max_len)
         return TopK(idx, count, n + 1)
 
     def after_plain(self, spec, sel, n):
@@ -341,6 +360,8 @@ METHODS: dict[str, Method] = {
     "vegas": VerifyGuided("pair"),
     "vegas-all": VerifyGuided("all"),
     "vegas-heads": VerifyGuided("pair", heads=True),
+    # the paper's selector with 4 sink and 64 recent positions always kept (issue 16)
+    "vegas-window": VerifyGuided("pair", sink=4, recent=64),
     "last": VerifyGuided("last"),
     "stream": Stream(),
     "quest": Quest(),
