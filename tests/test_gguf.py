@@ -109,9 +109,13 @@ def test_logits_match_transformers(runs):
     for prompt, ids, new, got, ref in runs:
         assert got.shape == ref.shape
         err = np.abs(got - ref).max()
+        scale = np.abs(ref).max()
         # Logits reach ~40: this is float32 rounding through 30 layers, for the prefill
-        # rows and every decode step through our KV cache alike.
-        assert err < 1e-3, f"{prompt!r}: max abs err {err:.2e}"  # measured ~1.3e-4
+        # rows and every decode step through our KV cache alike. Measured 1.3e-4 here; the
+        # CI machine (another CPU, other BLAS kernels) went past an absolute 1e-3
+        # (2026-12-01), so the bound is relative to the logits' scale. A wrong RoPE,
+        # norm or cache write errs by > 1.
+        assert err < 1e-4 * scale, f"{prompt!r}: max abs err {err:.2e} (scale {scale:.1f})"
 
 
 def test_greedy_text_matches_transformers(runs, ours, theirs):

@@ -8,6 +8,9 @@ verify updates the state (`update`) and the length of the recent tail (`tail_len
   VerifyGuided("pair")  vegas      scores from verify rows 0 and gamma ("Collect-2-Query")
   VerifyGuided("all")   vegas-all  scores from all gamma + 1 verify rows
   VerifyGuided("last")  last       scores from the row of the last accepted token
+  VerifyGuided(...)     vegas-heads / -window / -accepted / -decay / -pool: issue 16's
+                        policies (per KV head, a kept window, kept rows only, scores
+                        carried over rounds, one budget for all layers)
   Stream                stream     sink of the first tokens + recent window
   Quest                 quest      pages ranked by the current query against key bounds
 
@@ -26,7 +29,7 @@ import jax.numpy as jnp
 from flax import struct
 from jax import lax
 
-from pallas_kernels.topk import select_topk_fast
+from pallas_kernels.topk import kth_largest_key, select_topk_fast, sortable_keys
 from vegas_jax.attention import AttnPlan, Capture
 
 # ceil() of a product that should be a whole number can land one above it in floating
@@ -73,6 +76,35 @@ def select_topk(scores, r_end, spec, max_len: int):
     return idx.astype(jnp.int32), count
 
 
+def select_pooled(scores, r_end, spec, max_len: int, cap: float):
+    """One budget for all layers of a sequence (issue 16): the L * budget entries with the
+    largest scores over every layer together, each layer keeping at most `cap` times the
+    per-layer budget. With softmax weights (each layer's scores sum to one), that takes
+    the entries that cover the most attention mass in total: a layer whose attention is
+    spread over many positions gets more entries, a peaked one fewer; the bytes read per
+    draft step stay those of `select_topk` (at most: the cap and ties can only lower it).
+
+    scores [L, b, s]; returns idx [L, b, K_cap] and count [L, b] as `select_topk`.
+    """
+    L, b, s = scores.shape
+    ranked = jnp.arange(s) <= r_end[None, :, None]
+    scores = jnp.where(ranked, scores, -jnp.inf)
+    per_layer = budget(spec, r_end, max_len)  # [b]
+    k_cap = min(math.ceil(cap * max_budget(spec, max_len)), max_len)
+    key = sortable_keys(scores.transpose(1, 0, 2).reshape(b, L * s))  # [b, L * s]
+    t = kth_largest_key(key, (L * per_layer)[:, None])  # [b]
+    key = key.reshape(b, L, s)
+    above = jnp.sum(key > t[:, None, None], axis=2, dtype=jnp.int32)  # [b, L]
+    # entries equal to the threshold are ties: the first layers take what is left of the
+    # L * budget; every layer keeps at least one entry, at most its cap
+    ties = jnp.sum(key == t[:, None, None], axis=2, dtype=jnp.int32)
+    left = (L * per_layer)[:, None] - above.sum(1, keepdims=True) - (jnp.cumsum(ties, 1) - ties)
+    count = above + jnp.clip(left, 0, ties)
+    count = jnp.clip(count, 1, jnp.minimum(k_cap, r_end + 1)[:, None]).T  # [L, b]
+    idx = select_topk_fast(scores, k_cap, counts=count)
+    return idx.astype(jnp.int32), count
+
+
 class Method:
     """Base of every decoding method. `speculative` is False for plain decoding."""
 
@@ -81,6 +113,9 @@ class Method:
 
     def capture(self, spec) -> Capture | None:
         return None
+
+    def check(self, spec) -> None:
+        """Raise ValueError for settings that do not go with this SpecConfig."""
 
     def tail_len(self, spec, max_len: int) -> int:
         raise NotImplementedError
@@ -110,6 +145,7 @@ class TopK:
     idx: jax.Array  # [L, b, K] positions, best first ([L, b, k, K]: one list per KV head)
     count: jax.Array  # [L, b] ([L, b, k])
     end: jax.Array  # [b] first position after the ranked range
+    acc: jax.Array | None = None  # [L, b, (k,) s] carried scores (decay > 0), else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,28 +156,48 @@ class VerifyGuided(Method):
     heads: one index set per KV head, ranked by that head's query heads only (as SparseSpec
     does), instead of one per layer from all heads; the same entries per head, so the
     same bytes per draft step.
+    rows "accepted": the mean of the rows of the tokens that stay (x0 and the accepted
+    drafts, rows 0..n_acc), known after acceptance; "pair" and "all" also average the
+    queries of rejected drafts, which the next round's tokens never were.
     sink, recent: the first `sink` positions and the last `recent` of the ranked range are
     always selected, inside the same budget (issue 16: a guaranteed window; the paper's
-    selector has none)."""
+    selector has none).
+    decay: 0 replaces the scores every round (the paper); d in (0, 1) carries them over,
+    scores = max(this verify's, d * the carried ones), so an entry that mattered to a
+    recent round's queries stays selectable (softmax weights only).
+    pool: 0 gives every layer the same budget; c > 0 gives all layers of a sequence one
+    budget together (`select_pooled`), each layer at most c times its share."""
 
     rows: str = "pair"
     heads: bool = False
     sink: int = 0
     recent: int = 0
-    NAMES: ClassVar[dict] = {"pair": "vegas", "all": "vegas-all", "last": "last"}
+    decay: float = 0.0
+    pool: float = 0.0
+    NAMES: ClassVar[dict] = {"pair": "vegas", "all": "vegas-all", "last": "last",
+                             "accepted": "vegas-accepted"}
 
     def __post_init__(self):
         if self.rows not in self.NAMES:
             raise ValueError(f"rows must be one of {tuple(self.NAMES)}, got {self.rows!r}")
-        if self.heads and self.rows == "last":
+        if self.heads and self.rows in ("last", "accepted"):
             raise ValueError("heads=True needs rows 'pair' or 'all'")
         if self.sink < 0 or self.recent < 0:
             raise ValueError(f"sink and recent must be >= 0, got {self.sink}, {self.recent}")
+        if not 0.0 <= self.decay < 1.0:
+            raise ValueError(f"decay must be in [0, 1), got {self.decay}")
+        if self.pool < 0 or (self.pool and (self.pool < 1.0 or self.heads)):
+            raise ValueError(f"pool must be 0 (off) or >= 1 without heads, got {self.pool}")
 
     @property
     def name(self) -> str:  # type: ignore[override]
         window = "-window" if self.sink or self.recent else ""
-        return self.NAMES[self.rows] + ("-heads" if self.heads else "") + window
+        return (self.NAMES[self.rows] + ("-heads" if self.heads else "") + window
+                + ("-decay" if self.decay else "") + ("-pool" if self.pool else ""))
+
+    def check(self, spec):
+        if self.decay and spec.score != "weight":
+            raise ValueError("decay carries softmax weights over rounds: needs score='weight'")
 
     def _guaranteed(self, scores, r_end):
         """scores [L, b, (r | k,) s] with the sink and the recent window of the ranked range
@@ -162,6 +218,22 @@ class VerifyGuided(Method):
             return Capture((0, spec.gamma), "mean", spec.score)
         return Capture(every, "mean" if self.rows == "all" else "rows", spec.score)
 
+    def _select(self, spec, scores, r_end, max_len):
+        scores = self._guaranteed(scores, r_end)
+        if self.pool:
+            return select_pooled(scores, r_end, spec, max_len, self.pool)
+        return select_topk(scores, r_end, spec, max_len)
+
+    def _carry(self, scores, old, r_end):
+        """scores = max(new, decay * old) over the ranked range 0..r_end [b]; -inf past it
+        (positions past it held drafts that may have been rejected)."""
+        if not self.decay:
+            return None
+        if old is not None:
+            scores = jnp.maximum(scores, self.decay * old)
+        end = r_end.reshape((1, -1) + (1,) * (scores.ndim - 2))
+        return jnp.where(jnp.arange(scores.shape[-1]) <= end, scores, -jnp.inf)
+
     def tail_len(self, spec, max_len):
         # after a verify the ranked range ends at n; the tail then holds up to gamma
         # accepted tokens + the bonus + gamma - 1 drafts
@@ -169,9 +241,10 @@ class VerifyGuided(Method):
 
     def init(self, spec, cache, scores, lens):
         # The last prompt token's row ranks the whole prompt.
-        idx, count = select_topk(self._guaranteed(scores, lens - 1), lens - 1, spec,
-                                 cache.max_len)
-        return TopK(idx, count, lens)
+        acc = self._carry(scores, None, lens - 1)
+        idx, count = self._select(spec, scores if acc is None else acc, lens - 1,
+                                  cache.max_len)
+        return TopK(idx, count, lens, acc)
 
     def draft_plan(self, spec, sel, cache, pos):
         return AttnPlan(mode="sparse", tail_len=self.tail_len(spec, cache.max_len),
@@ -180,8 +253,13 @@ class VerifyGuided(Method):
     def update(self, spec, sel, scores, cache, n, n_acc):
         if self.rows == "last":  # scores [L, b, r, s]: keep the last accepted token's row
             scores = jnp.take_along_axis(scores, n_acc[None, :, None, None], axis=2)[:, :, 0]
-        idx, count = select_topk(self._guaranteed(scores, n), n, spec, cache.max_len)
-        return TopK(idx, count, n + 1)
+        elif self.rows == "accepted":  # the mean of rows 0..n_acc
+            kept = jnp.arange(scores.shape[2])[None, :] <= n_acc[:, None]  # [b, r]
+            w = kept / (n_acc[:, None] + 1.0)
+            scores = jnp.einsum("lbrs,br->lbs", scores, w)
+        acc = self._carry(scores, sel.acc if self.decay else None, n)
+        idx, count = self._select(spec, scores if acc is None else acc, n, cache.max_len)
+        return TopK(idx, count, n + 1, acc)
 
     def after_plain(self, spec, sel, n):
         # The tail holds tail_len = 2 gamma + 1 entries from `end` on; plain steps moved the
@@ -329,6 +407,9 @@ class Auto(Method):
     def capture(self, spec):
         return self.base.capture(spec)
 
+    def check(self, spec):
+        self.base.check(spec)
+
     def tail_len(self, spec, max_len):
         return self.base.tail_len(spec, max_len)
 
@@ -362,6 +443,11 @@ METHODS: dict[str, Method] = {
     "vegas-heads": VerifyGuided("pair", heads=True),
     # the paper's selector with 4 sink and 64 recent positions always kept (issue 16)
     "vegas-window": VerifyGuided("pair", sink=4, recent=64),
+    # issue 16's other policies: rows of the kept tokens only; scores carried over rounds;
+    # one budget for all layers of a sequence
+    "vegas-accepted": VerifyGuided("accepted"),
+    "vegas-decay": VerifyGuided("pair", decay=0.5),
+    "vegas-pool": VerifyGuided("pair", pool=2.0),
     "last": VerifyGuided("last"),
     "stream": Stream(),
     "quest": Quest(),

@@ -57,6 +57,7 @@ class SpecConfig:
             raise ValueError(f"min_tokens must be a whole number >= 1, got {self.min_tokens}")
         if self.score not in SCORES:
             raise ValueError(f"score must be one of {SCORES}, got {self.score!r}")
+        self.method.check(self)
 
     @property
     def name(self) -> str:

@@ -1,0 +1,134 @@
+"""Issue 16's selection policies (`VerifyGuided(rows="accepted" | decay | pool)`): each
+selection against a brute-force reference, and lossless decoding through each."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+from vegas_jax import selection as sel
+from vegas_jax.generate import generate
+from vegas_jax.speculative import SpecConfig, speculative_generate
+from tests.tiny import tiny_model
+
+SPEC = SpecConfig(gamma=4, sparsity=0.07, min_tokens=8)
+MAX_LEN = 1024
+
+
+class _Cache:
+    max_len = MAX_LEN
+
+
+def _top(v, r_end, c):
+    """Brute force: the c best positions of one score row over 0..r_end."""
+    masked = jnp.where(jnp.arange(v.shape[-1]) <= r_end, v, -jnp.inf)
+    return set(np.asarray(lax.top_k(masked, c)[1]).tolist())
+
+
+def _sets(s):
+    return [[set(np.asarray(s.idx[l, b, :int(s.count[l, b])]).tolist())
+             for b in range(s.idx.shape[1])] for l in range(s.idx.shape[0])]
+
+
+def test_pooled_budget_takes_the_largest_weights_over_all_layers():
+    """One budget for all layers: the union of the per-layer sets is the global top
+    L * budget of the scores (up to the per-layer cap), so a flat layer gets more entries
+    than a peaked one, and the entries read in total never exceed the paper selector's."""
+    L, b = 3, 2
+    key = jax.random.PRNGKey(1)
+    flat = jax.random.uniform(key, (b, MAX_LEN)) * 1e-3 + 1e-3
+    peaked = jax.nn.softmax(8 * jax.random.normal(jax.random.fold_in(key, 1), (b, MAX_LEN)))
+    mid = jax.nn.softmax(2 * jax.random.normal(jax.random.fold_in(key, 2), (b, MAX_LEN)))
+    scores = jnp.stack([flat, peaked, mid])  # [L, b, s]
+    n = jnp.array([500, 1000])
+    pool = sel.VerifyGuided("pair", pool=2.0)
+    assert pool.name == "vegas-pool"
+    got = pool.update(SPEC, None, scores, _Cache(), n, jnp.zeros_like(n))
+    per_layer = np.asarray(sel.budget(SPEC, n, MAX_LEN))
+    cap = int(np.ceil(2.0 * sel.max_budget(SPEC, MAX_LEN)))
+    assert got.idx.shape[-1] == cap
+    sets = _sets(got)
+    for j in range(b):
+        total = L * int(per_layer[j])
+        flat_all = jnp.where(jnp.arange(MAX_LEN) <= n[j], scores[:, j], -jnp.inf).reshape(-1)
+        best = set(np.asarray(lax.top_k(flat_all, total)[1]).tolist())
+        want = [{int(p) % MAX_LEN for p in best if p // MAX_LEN == l} for l in range(L)]
+        for l in range(L):
+            if len(want[l]) <= cap:
+                assert sets[l][j] == want[l], (l, j)
+            else:  # capped: the layer's own top `cap`
+                assert sets[l][j] == _top(scores[l, j], n[j], cap)
+        assert int(got.count[:, j].sum()) <= total
+        assert int(got.count[0, j]) > int(got.count[1, j])  # flat > peaked
+
+
+def test_decay_carries_the_scores_of_earlier_rounds():
+    """decay d: the next selection ranks max(new, d * carried), over the ranked range only;
+    the paper's selector (d = 0) ranks the new scores alone."""
+    L, b = 2, 2
+    k1, k2 = jax.random.split(jax.random.PRNGKey(2))
+    s1 = 3 * jax.random.uniform(k1, (L, b, MAX_LEN))  # d * s1 competes with s2
+    s2 = jax.random.uniform(k2, (L, b, MAX_LEN))
+    n1, n2 = jnp.array([300, 700]), jnp.array([305, 707])
+    dec = sel.VerifyGuided("pair", decay=0.5)
+    assert dec.name == "vegas-decay"
+    st1 = dec.update(SPEC, sel.TopK(None, None, None, None), s1, _Cache(), n1,
+                     jnp.zeros_like(n1))
+    st2 = dec.update(SPEC, st1, s2, _Cache(), n2, jnp.zeros_like(n2))
+    # what is carried past the first round's range is -inf: those slots held drafts
+    carried = jnp.where(jnp.arange(MAX_LEN) <= n1[None, :, None], s1, -jnp.inf)
+    want = jnp.maximum(s2, 0.5 * carried)
+    plain = sel.VerifyGuided("pair").update(SPEC, None, s2, _Cache(), n2, jnp.zeros_like(n2))
+    sets, plain_sets = _sets(st2), _sets(plain)
+    differs = False
+    for l in range(L):
+        for j in range(b):
+            c = int(st2.count[l, j])
+            assert sets[l][j] == _top(want[l, j], n2[j], c)
+            differs |= sets[l][j] != plain_sets[l][j]
+    assert differs
+    with pytest.raises(ValueError, match="score='weight'"):
+        SpecConfig(method=dec, score="logit")
+
+
+def test_accepted_rows_average_only_the_kept_tokens():
+    """rows="accepted": the mean of verify rows 0..n_acc; rows of rejected drafts (and
+    the pair's row gamma when it was rejected) must not count."""
+    L, b, r = 2, 3, SPEC.gamma + 1
+    scores = jax.random.uniform(jax.random.PRNGKey(4), (L, b, r, MAX_LEN))
+    n, n_acc = jnp.array([200, 600, 900]), jnp.array([0, 2, 4])
+    acc = sel.VerifyGuided("accepted")
+    assert acc.name == "vegas-accepted"
+    assert acc.capture(SPEC).reduce == "rows" and acc.capture(SPEC).rows == tuple(range(r))
+    got = _sets(acc.update(SPEC, None, scores, _Cache(), n, n_acc))
+    count = np.asarray(sel.budget(SPEC, n, MAX_LEN))
+    for l in range(L):
+        for j in range(b):
+            mean = scores[l, j, :int(n_acc[j]) + 1].mean(0)
+            assert got[l][j] == _top(mean, n[j], int(count[j]))
+            if int(n_acc[j]) < r - 1:  # averaging every row would give another set
+                assert got[l][j] != _top(scores[l, j].mean(0), n[j], int(count[j]))
+
+
+@pytest.mark.parametrize("kw", [dict(decay=1.0), dict(decay=-0.1), dict(pool=0.5),
+                                dict(pool=2.0, heads=True), dict(rows="accepted", heads=True)])
+def test_bad_policy_settings(kw):
+    with pytest.raises(ValueError):
+        sel.VerifyGuided(**{"rows": "pair", **kw})
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_model(scale=0.3)
+
+
+@pytest.mark.parametrize("method", ["vegas-accepted", "vegas-decay", "vegas-pool"])
+def test_greedy_equals_vanilla(tiny, method):
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 100, size=n).tolist() for n in (37, 650)]
+    want = generate(tiny, prompts, 40).tokens
+    res = speculative_generate(tiny, prompts, 40, SpecConfig(method=method, gamma=3,
+                                                             min_tokens=8))
+    assert res.tokens == want
+    assert res.stats["method"] == method
