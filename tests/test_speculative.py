@@ -51,6 +51,10 @@ def test_greedy_equals_vanilla(tiny, prompts, vanilla, method, score):
     # and the cumulative is the running product of the conditional one
     assert st["tau"] == pytest.approx(1 + sum(st["acceptance_cumulative"]))
     assert np.allclose(np.cumprod(st["acceptance_conditional"]), st["acceptance_cumulative"])
+    # per sequence: each prompt's own tau, whose round-weighted mean is the batch's
+    r = np.array(st["rounds_by_sequence"])
+    assert len(r) == len(prompts) and (r > 0).all()
+    assert np.dot(st["tau_by_sequence"], r) / r.sum() == pytest.approx(st["tau"])
 
 
 @pytest.mark.parametrize("method", METHODS)

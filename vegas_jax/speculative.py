@@ -355,7 +355,9 @@ def speculative_generate(
     collector.add([[t] for t in jax.device_get(x0)])
     prefill_s = time.perf_counter() - t0
 
-    tally = {"accepted_at": np.zeros(gamma, np.int64), "rounds": 0, "emitted": 0, "calls": 0}
+    tally = {"accepted_at": np.zeros(gamma, np.int64), "rounds": 0, "emitted": 0, "calls": 0,
+             "seq_rounds": np.zeros(len(ids), np.int64),
+             "seq_emitted": np.zeros(len(ids), np.int64)}
 
     def count(out):
         _, _, n_acc, was_active = out
@@ -364,6 +366,9 @@ def speculative_generate(
         if n_acc is None:  # plain decoding steps
             return
         tally["calls"] += 1
+        owner = collector.owner[was_active]  # the prompt each active slot decodes
+        np.add.at(tally["seq_rounds"], owner, 1)
+        np.add.at(tally["seq_emitted"], owner, n_acc[was_active] + 1)
         n_acc = n_acc[was_active]
         tally["rounds"] += len(n_acc)
         tally["emitted"] += int((n_acc + 1).sum())
@@ -450,6 +455,10 @@ def speculative_generate(
         "acceptance_by_position": (tally["accepted_at"] / rounds).tolist(),
         "acceptance_cumulative": (tally["accepted_at"] / rounds).tolist(),
         "acceptance_conditional": conditional,
+        # per prompt, in prompt order (None: no round, the prefill's token ended it)
+        "tau_by_sequence": [float(e / r) if r else None
+                            for e, r in zip(tally["seq_emitted"], tally["seq_rounds"])],
+        "rounds_by_sequence": tally["seq_rounds"].tolist(),
         "attn_impl": xc.attn,
         "cache_len": cache.max_len,
     }

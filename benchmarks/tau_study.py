@@ -1,0 +1,269 @@
+"""Drafting accuracy on real text (issue 16): tau (mean acceptance length) of every method
+over kinds of text, contexts, sparsities and gammas, with confidence intervals.
+
+    PYTHONPATH=. python -m benchmarks.tau_study [--kinds chat-prose,prose,code]
+        [--contexts 1024,2048,4096,8192] [--sparsities 0.03,0.07,0.15] [--gammas 4,6,8]
+        [--methods vegas,stream,...] [--seqs 8] [--new-tokens 96] [--json out.json]
+        [--plot DIR]
+
+The grid is a star, not a product: a centre point (the first context, the second
+sparsity, the middle gamma unless --centre says otherwise) and one axis varied at a time
+from it, per kind of text. Greedy decoding: every method emits vanilla's tokens, so the
+methods are compared on the same sequences, pair by pair. Each sequence's tau comes from
+its own rounds (`stats["tau_by_sequence"]`); a method's tau over a cell is the mean of its
+sequences', and its ratio to stream gets a 95 % bootstrap interval over sequences (paired:
+both methods resampled with the same sequences). tau does not need the GPU: this runs on
+the CPU in fp32 (set --dtype bf16 to see the GPU's arithmetic).
+
+Kinds: "prose" (CPython's language reference) and "code" (CPython's standard library) as
+raw continuation; "chat-prose" / "chat-code": the same documents with a task, through the
+model's chat template (the bench's long prompts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import numpy as np
+
+KINDS = ("prose", "code", "chat-prose", "chat-code")
+DEFAULT_METHODS = ("vegas", "vegas-window", "vegas-accepted", "vegas-decay", "vegas-pool",
+                   "vegas-heads", "last", "stream", "quest")
+
+
+def prompts_for(tokenizer, kind: str, context: int, n: int) -> list[list[int]]:
+    """n prompts of `context` tokens from disjoint stretches of the source."""
+    from vegas_jax.workloads import TASKS, document
+
+    chat = kind.startswith("chat-")
+    source = kind.removeprefix("chat-")
+    out = []
+    for i in range(n):
+        doc = document(tokenizer, context, source, offset=i * context)
+        if chat:
+            msg = [{"role": "user", "content": f"{doc}\n\n{TASKS[source]}"}]
+            text = tokenizer.apply_chat_template(msg, tokenize=False,
+                                                 add_generation_prompt=True)
+            ids = tokenizer.encode(text)
+            # keep the template's head and the task at the end; cut the document's start
+            out.append(ids[-context:] if len(ids) > context else ids)
+        else:
+            out.append(tokenizer.encode(doc)[:context])
+    return out
+
+
+def ratio_ci(a, b, reps: int = 2000, seed: int = 0):
+    """mean(a) / mean(b) and its 95 % paired bootstrap interval over the sequences."""
+    a, b = np.asarray(a, float), np.asarray(b, float)
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, len(a), size=(reps, len(a)))
+    r = a[idx].mean(1) / b[idx].mean(1)
+    return float(a.mean() / b.mean()), float(np.percentile(r, 2.5)), float(np.percentile(r, 97.5))
+
+
+def cells(args):
+    """(kind, context, sparsity, gamma) of the star grid, the centre first."""
+    ctx, sps, gms = args.contexts, args.sparsities, args.gammas
+    c0 = args.centre_context or ctx[0]
+    s0 = sps[len(sps) // 2] if args.centre_sparsity is None else args.centre_sparsity
+    g0 = gms[len(gms) // 2] if args.centre_gamma is None else args.centre_gamma
+    pts = [(c0, s0, g0)] + [(c0, s, g0) for s in sps] + [(c, s0, g0) for c in ctx] + \
+          [(c0, s0, g) for g in gms]
+    # point by point, every kind at each: a study cut short still covers every kind
+    return list(dict.fromkeys((kind, *p) for p in pts for kind in args.kinds))
+
+
+class SharedPrefill:
+    """Within a cell every method prefills the same prompts, and methods with the same
+    first-selection capture get the same result: compute it once per capture (the prefill
+    is most of a CPU run's time) and hand each method its own copy (the decoding loop
+    donates the cache)."""
+
+    def __init__(self):
+        import vegas_jax.speculative as spec_mod
+
+        self.mod, self.real, self.memo = spec_mod, spec_mod.prefill_prompts, {}
+
+    def __enter__(self):
+        def shared(params, cfg, xc, ids, cache, capture):
+            import jax
+            import jax.numpy as jnp
+
+            key = (capture, cache.k.shape, cache.k.dtype, tuple(map(tuple, ids)))
+            if key not in self.memo:
+                self.memo[key] = self.real(params, cfg, xc, ids, cache, capture)
+            return jax.tree.map(jnp.copy, self.memo[key])
+
+        self.mod.prefill_prompts = shared
+        return self
+
+    def __exit__(self, *exc):
+        self.mod.prefill_prompts = self.real
+        self.memo.clear()
+
+
+def run_cell(model, kind, context, sparsity, gamma, args):
+    prompts = prompts_for(model.tokenizer, kind, context, args.seqs)
+    with SharedPrefill():
+        return _run_methods(model, prompts, kind, context, sparsity, gamma, args)
+
+
+def _run_methods(model, prompts, kind, context, sparsity, gamma, args):
+    from vegas_jax import SpecConfig, speculative_generate
+
+    per = {}
+    ref = None
+    for m in args.methods:
+        t0 = time.perf_counter()
+        res = speculative_generate(model, prompts, args.new_tokens,
+                                   SpecConfig(method=m, gamma=gamma, sparsity=sparsity,
+                                              min_tokens=args.min_tokens),
+                                   max_batch=args.batch)
+        st = res.stats
+        if ref is None:
+            ref = res.tokens
+        equal = sum(x == y for x, y in zip(res.tokens, ref))
+        per[m] = {"tau": st["tau"], "tau_by_sequence": st["tau_by_sequence"],
+                  "equal_to_first_method": equal, "s": time.perf_counter() - t0}
+        print(f"  {kind} ctx {context} sp {sparsity} g {gamma} {m}: tau {st['tau']:.3f} "
+              f"({per[m]['s']:.0f} s)", file=sys.stderr, flush=True)
+    rows = []
+    base = per.get("stream")
+    for m, r in per.items():
+        seq = [t for t in r["tau_by_sequence"] if t is not None]
+        row = {"kind": kind, "context": context, "sparsity": sparsity, "gamma": gamma,
+               "method": m, "seqs": len(seq), "tau": float(np.mean(seq)),
+               "tau_by_sequence": r["tau_by_sequence"],
+               "equal_to_first_method": r["equal_to_first_method"]}
+        if base is not None:
+            pairs = [(x, y) for x, y in zip(r["tau_by_sequence"], base["tau_by_sequence"])
+                     if x is not None and y is not None]
+            row["vs_stream"], row["vs_stream_lo"], row["vs_stream_hi"] = ratio_ci(*zip(*pairs))
+        rows.append(row)
+    return rows
+
+
+def table(rows) -> str:
+    out = ["| kind | context | sparsity | gamma | method | tau | vs stream (95 % CI) |",
+           "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        vs = (f"{r['vs_stream']:.3f} [{r['vs_stream_lo']:.3f}, {r['vs_stream_hi']:.3f}]"
+              if "vs_stream" in r else "—")
+        out.append(f"| {r['kind']} | {r['context']} | {r['sparsity']:g} | {r['gamma']} | "
+                   f"{r['method']} | {r['tau']:.3f} | {vs} |")
+    return "\n".join(out)
+
+
+def plot(rows, out_dir):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from pathlib import Path
+
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    paths = []
+    for axis in ("context", "sparsity", "gamma"):
+        kinds = sorted({r["kind"] for r in rows})
+        fig, axes = plt.subplots(1, len(kinds), figsize=(5 * len(kinds), 4), squeeze=False)
+        for ax, kind in zip(axes[0], kinds):
+            mine = [r for r in rows if r["kind"] == kind]
+            fixed = {k: max({r[k] for r in mine}, key=[r[k] for r in mine].count)
+                     for k in ("context", "sparsity", "gamma") if k != axis}
+            for m in dict.fromkeys(r["method"] for r in mine):
+                pts = sorted((r[axis], r["tau"]) for r in mine if r["method"] == m
+                             and all(r[k] == v for k, v in fixed.items()))
+                if len(pts) > 1:
+                    ax.plot(*zip(*pts), marker="o", label=m)
+            ax.set_xlabel(axis)
+            ax.set_ylabel("tau")
+            ax.set_title(f"{kind} ({', '.join(f'{k} {v:g}' for k, v in fixed.items())})")
+            if axis == "context":
+                ax.set_xscale("log", base=2)
+        axes[0][0].legend(fontsize=7)
+        fig.tight_layout()
+        path = Path(out_dir) / f"tau_vs_{axis}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(str(path))
+    return paths
+
+
+def _ints(s):
+    return [int(x) for x in s.split(",") if x]
+
+
+def _floats(s):
+    return [float(x) for x in s.split(",") if x]
+
+
+def build_parser():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--checkpoint", help="model checkpoint (default: the embedded SmolLM2)")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--kinds", default="chat-prose,prose,code",
+                   help=f"comma-separated, from {', '.join(KINDS)}")
+    p.add_argument("--contexts", default="1024,2048,4096,8192", type=_ints,
+                   help="prompt lengths in tokens")
+    p.add_argument("--sparsities", default="0.03,0.07,0.15", type=_floats)
+    p.add_argument("--gammas", default="4,6,8", type=_ints)
+    p.add_argument("--centre-context", type=int, help="context of the centre point "
+                   "(default: the first of --contexts)")
+    p.add_argument("--centre-sparsity", type=float, help="default: the middle of --sparsities")
+    p.add_argument("--centre-gamma", type=int, help="default: the middle of --gammas")
+    p.add_argument("--methods", default=",".join(DEFAULT_METHODS),
+                   help="comma-separated method names (stream is the ratio's reference)")
+    p.add_argument("--seqs", type=int, default=8, help="sequences per cell")
+    p.add_argument("--batch", type=int, default=None,
+                   help="sequences decoded at once (default: all of a cell's)")
+    p.add_argument("--new-tokens", type=int, default=96)
+    p.add_argument("--min-tokens", type=int, default=64,
+                   help="floor of the draft's budget (the library's default, 256, would "
+                        "be a third of a 1K context at 7 %%)")
+    p.add_argument("--json", help="write every row here")
+    p.add_argument("--plot", help="write tau_vs_{context,sparsity,gamma}.png here")
+    return p
+
+
+def main(argv=None) -> int:
+    import jax.numpy as jnp
+
+    from vegas_jax.loading import load_model
+    from vegas_jax.selection import METHODS
+
+    args = build_parser().parse_args(argv)
+    args.kinds = [k for k in args.kinds.split(",") if k]
+    args.methods = [m for m in args.methods.split(",") if m]
+    for k in args.kinds:
+        if k not in KINDS:
+            raise SystemExit(f"unknown kind {k!r}; choose from {', '.join(KINDS)}")
+    for m in args.methods:
+        if m not in METHODS or m in ("vanilla", "auto"):
+            raise SystemExit(f"unknown or non-drafting method {m!r}")
+    if args.seqs < 2:
+        raise SystemExit("--seqs must be >= 2 (the interval needs several sequences)")
+    model = load_model(checkpoint=args.checkpoint,
+                       dtype=jnp.float32 if args.dtype == "fp32" else jnp.bfloat16)
+    rows = []
+    grid = cells(args)
+    for i, (kind, ctx, sp, g) in enumerate(grid):
+        print(f"cell {i + 1}/{len(grid)}: {kind}, context {ctx}, sparsity {sp}, gamma {g}",
+              file=sys.stderr, flush=True)
+        rows += run_cell(model, kind, ctx, sp, g, args)
+        if args.json:  # after every cell: a long study keeps what it measured
+            with open(args.json, "w") as f:
+                json.dump({"args": {k: v for k, v in vars(args).items()}, "rows": rows}, f,
+                          indent=1)
+    print(table(rows))
+    if args.plot:
+        for p in plot(rows, args.plot):
+            print(f"wrote {p}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,72 @@
+"""benchmarks/tau_study.py: the grid it walks, its interval, its prompts, and one real cell
+on a tiny model (methods on the same sequences, a shared prefill that changes nothing)."""
+
+import numpy as np
+import pytest
+
+from benchmarks import tau_study as ts
+
+
+def _args(**kw):
+    a = ts.build_parser().parse_args([])
+    a.kinds, a.methods = ["prose", "code"], ["vegas", "stream"]
+    for k, v in kw.items():
+        setattr(a, k, v)
+    return a
+
+
+def test_star_grid_centre_first_every_kind_at_each_point():
+    grid = ts.cells(_args(contexts=[1024, 2048], sparsities=[0.03, 0.07, 0.15], gammas=[6]))
+    assert grid[:2] == [("prose", 1024, 0.07, 6), ("code", 1024, 0.07, 6)]
+    assert len(grid) == len(set(grid)) == 2 * 4  # centre, 2 other sparsities, 1 other context
+    assert ("code", 2048, 0.07, 6) in grid and ("prose", 2048, 0.03, 6) not in grid
+
+
+def test_ratio_interval_is_paired_and_covers_the_ratio():
+    rng = np.random.default_rng(0)
+    b = rng.uniform(3, 6, size=16)
+    a = 1.2 * b + rng.normal(0, 0.05, size=16)  # a tracks b sequence by sequence
+    r, lo, hi = ts.ratio_ci(a, b)
+    assert lo < r < hi and lo > 1.15 and hi < 1.25  # paired: tight despite b's spread
+    r, lo, hi = ts.ratio_ci(b, b)
+    assert r == lo == hi == 1.0
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer():
+    import jax.numpy as jnp
+
+    from vegas_jax.loading import load_model
+
+    return load_model(dtype=jnp.float32).tokenizer
+
+
+def test_prompts_are_disjoint_and_of_the_asked_length(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    raw = ts.prompts_for(tok, "prose", 256, 3)
+    assert [len(p) for p in raw] == [256] * 3
+    text = [" ".join(map(str, p)) for p in raw]  # no stretch of one is in another
+    assert " ".join(map(str, raw[1][:32])) not in text[0]
+    assert " ".join(map(str, raw[2][:32])) not in text[0] + text[1]
+    chat = ts.prompts_for(tok, "chat-code", 256, 2)
+    assert all(len(p) <= 256 for p in chat)
+    assert tok.decode(chat[0][-8:]).strip().endswith("assistant")
+
+
+def test_one_cell_on_a_tiny_model(monkeypatch):
+    from tests.tiny import tiny_model
+
+    m = tiny_model(scale=0.3)
+    rng = np.random.default_rng(1)
+    monkeypatch.setattr(ts, "prompts_for", lambda tok, kind, ctx, n: [
+        rng.integers(0, 100, size=ctx).tolist() for _ in range(n)])
+    rows = ts.run_cell(m, "prose", 300, 0.07, 3, _args(seqs=3, new_tokens=24, batch=None,
+                                                        min_tokens=8))
+    by = {r["method"]: r for r in rows}
+    assert set(by) == {"vegas", "stream"}
+    assert all(r["equal_to_first_method"] == 3 for r in rows)  # greedy: the same tokens
+    assert by["stream"]["vs_stream"] == 1.0
+    assert by["vegas"]["tau"] == pytest.approx(np.mean(by["vegas"]["tau_by_sequence"]))
+    assert by["vegas"]["vs_stream_lo"] <= by["vegas"]["vs_stream"] <= by["vegas"]["vs_stream_hi"]
+    table = ts.table(rows)
+    assert "| prose | 300 | 0.07 | 3 | vegas |" in table
