@@ -6,13 +6,15 @@ over kinds of text, contexts, sparsities and gammas, with confidence intervals.
         [--methods vegas,stream,...] [--seqs 8] [--new-tokens 96] [--json out.json]
         [--plot DIR]
 
-The grid is a star, not a product: a centre point (the first context, the second
-sparsity, the middle gamma unless --centre says otherwise) and one axis varied at a time
+The grid is a star, not a product: a centre point (the first context, the middle
+sparsity and gamma unless --centre-* say otherwise) and one axis varied at a time
 from it, per kind of text. Greedy decoding: every method emits vanilla's tokens, so the
 methods are compared on the same sequences, pair by pair. Each sequence's tau comes from
 its own rounds (`stats["tau_by_sequence"]`); a method's tau over a cell is the mean of its
 sequences', and its ratio to stream gets a 95 % bootstrap interval over sequences (paired:
-both methods resampled with the same sequences). tau does not need the GPU: this runs on
+both methods resampled with the same sequences); the pooled tables put every kind's
+sequences together, against stream and against vegas (`--from-json` re-prints them from
+saved runs). tau does not need the GPU: this runs on
 the CPU in fp32 (set --dtype bf16 to see the GPU's arithmetic).
 
 Kinds: "prose" (CPython's language reference) and "code" (CPython's standard library) as
@@ -126,7 +128,7 @@ def _run_methods(model, prompts, kind, context, sparsity, gamma, args):
         if ref is None:
             ref = res.tokens
         equal = sum(x == y for x, y in zip(res.tokens, ref))
-        per[m] = {"tau": st["tau"], "tau_by_sequence": st["tau_by_sequence"],
+        per[m] = {"tau_by_sequence": st["tau_by_sequence"],
                   "equal_to_first_method": equal, "s": time.perf_counter() - t0}
         print(f"  {kind} ctx {context} sp {sparsity} g {gamma} {m}: tau {st['tau']:.3f} "
               f"({per[m]['s']:.0f} s)", file=sys.stderr, flush=True)
@@ -139,21 +141,64 @@ def _run_methods(model, prompts, kind, context, sparsity, gamma, args):
                "tau_by_sequence": r["tau_by_sequence"],
                "equal_to_first_method": r["equal_to_first_method"]}
         if base is not None:
-            pairs = [(x, y) for x, y in zip(r["tau_by_sequence"], base["tau_by_sequence"])
-                     if x is not None and y is not None]
-            row["vs_stream"], row["vs_stream_lo"], row["vs_stream_hi"] = ratio_ci(*zip(*pairs))
+            row["vs_stream"], row["vs_stream_lo"], row["vs_stream_hi"] = ratio_ci(
+                *_paired(r["tau_by_sequence"], base["tau_by_sequence"]))
         rows.append(row)
     return rows
 
 
-def table(rows) -> str:
-    out = ["| kind | context | sparsity | gamma | method | tau | vs stream (95 % CI) |",
-           "|---|---|---|---|---|---|---|"]
+def _paired(a, b):
+    """Sequences where both methods made a round: (a's taus, b's taus)."""
+    pairs = [(x, y) for x, y in zip(a, b) if x is not None and y is not None]
+    return tuple(zip(*pairs))
+
+
+def table(rows, refs=("stream", "vegas")) -> str:
+    """Each row's tau and its paired ratio to each reference method of the same cell."""
+    by = {(r["kind"], r["context"], r["sparsity"], r["gamma"], r["method"]): r
+          for r in rows}
+    out = ["| kind | context | sparsity | gamma | method | tau |"
+           + "".join(f" vs {m} (95 % CI) |" for m in refs),
+           "|---|---|---|---|---|---|" + "---|" * len(refs)]
     for r in rows:
-        vs = (f"{r['vs_stream']:.3f} [{r['vs_stream_lo']:.3f}, {r['vs_stream_hi']:.3f}]"
-              if "vs_stream" in r else "—")
+        cell = (r["kind"], r["context"], r["sparsity"], r["gamma"])
+        vs = ""
+        for m in refs:
+            ref = by.get((*cell, m))
+            vs += (" %.3f [%.3f, %.3f] |" % ratio_ci(*_paired(r["tau_by_sequence"],
+                                                               ref["tau_by_sequence"]))
+                   if ref else " — |")
         out.append(f"| {r['kind']} | {r['context']} | {r['sparsity']:g} | {r['gamma']} | "
-                   f"{r['method']} | {r['tau']:.3f} | {vs} |")
+                   f"{r['method']} | {r['tau']:.3f} |" + vs)
+    return "\n".join(out)
+
+
+def pooled(rows, refs=("stream", "vegas")) -> str:
+    """Per (context, sparsity, gamma): each method's tau per kind and its ratio to each
+    reference method over the sequences of every kind together (paired, 95 % bootstrap).
+    The tables of BENCHMARKS.md."""
+    out = []
+    for cell in dict.fromkeys((r["context"], r["sparsity"], r["gamma"]) for r in rows):
+        mine = [r for r in rows if (r["context"], r["sparsity"], r["gamma"]) == cell]
+        kinds = list(dict.fromkeys(r["kind"] for r in mine))
+        by = {(r["kind"], r["method"]): r["tau_by_sequence"] for r in mine}
+        have = [m for m in refs if all((k, m) in by for k in kinds)]
+
+        def seqs(m):  # sequences with a round under m and every reference
+            pairs = [[by[(k, x)][i] for x in (m, *have)] for k in kinds
+                     for i in range(len(by[(k, m)]))]
+            return np.array([p for p in pairs if None not in p], float)
+
+        out += [f"\ncontext {cell[0]}, sparsity {cell[1]:g}, gamma {cell[2]}",
+                "| method | " + " | ".join(f"{k} tau" for k in kinds)
+                + "".join(f" | vs {m}, pooled" for m in have) + " |",
+                "|---|" + "---|" * (len(kinds) + len(have))]
+        for m in dict.fromkeys(r["method"] for r in mine):
+            taus = [np.mean([t for t in by[(k, m)] if t is not None]) for k in kinds]
+            x = seqs(m)
+            vs = "".join(" | %.3f [%.3f, %.3f]" % ratio_ci(x[:, 0], x[:, 1 + j])
+                         for j in range(len(have)))
+            out.append(f"| {m} | " + " | ".join(f"{t:.2f}" for t in taus) + vs + " |")
     return "\n".join(out)
 
 
@@ -226,6 +271,8 @@ def build_parser():
                         "be a third of a 1K context at 7 %%)")
     p.add_argument("--json", help="write every row here")
     p.add_argument("--plot", help="write tau_vs_{context,sparsity,gamma}.png here")
+    p.add_argument("--from-json", nargs="+", metavar="FILE",
+                   help="print the tables (and --plot) of saved --json runs; run nothing")
     return p
 
 
@@ -236,6 +283,13 @@ def main(argv=None) -> int:
     from vegas_jax.selection import METHODS
 
     args = build_parser().parse_args(argv)
+    if args.from_json:
+        rows = []
+        for path in args.from_json:
+            with open(path) as f:
+                rows += json.load(f)["rows"]
+        report(rows, args.plot)
+        return 0
     args.kinds = [k for k in args.kinds.split(",") if k]
     args.methods = [m for m in args.methods.split(",") if m]
     for k in args.kinds:
@@ -258,11 +312,16 @@ def main(argv=None) -> int:
             with open(args.json, "w") as f:
                 json.dump({"args": {k: v for k, v in vars(args).items()}, "rows": rows}, f,
                           indent=1)
-    print(table(rows))
-    if args.plot:
-        for p in plot(rows, args.plot):
-            print(f"wrote {p}", file=sys.stderr)
+    report(rows, args.plot)
     return 0
+
+
+def report(rows, plot_dir=None):
+    print(table(rows))
+    print(pooled(rows))
+    if plot_dir:
+        for p in plot(rows, plot_dir):
+            print(f"wrote {p}", file=sys.stderr)
 
 
 if __name__ == "__main__":

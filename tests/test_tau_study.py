@@ -70,3 +70,21 @@ def test_one_cell_on_a_tiny_model(monkeypatch):
     assert by["vegas"]["vs_stream_lo"] <= by["vegas"]["vs_stream"] <= by["vegas"]["vs_stream_hi"]
     table = ts.table(rows)
     assert "| prose | 300 | 0.07 | 3 | vegas |" in table
+    assert "| prose | 300 | 0.07 | 3 | vegas | %.3f | %.3f [" % (
+        by["vegas"]["tau"], by["vegas"]["vs_stream"]) in table
+
+
+def test_pooled_table_puts_every_kind_together():
+    """The pooled ratio is over the sequences of all kinds: here one kind's sequences
+    are a uniform 1.5x stream's and the other's 1.0x, so the pooled mean ratio sits
+    between, and vegas against itself is exactly 1."""
+    rows = []
+    for kind, f in (("prose", 1.5), ("code", 1.0)):
+        base = [2.0, 3.0, 4.0]
+        rows += [dict(kind=kind, context=64, sparsity=0.07, gamma=6, method="stream",
+                      tau=3.0, tau_by_sequence=base),
+                 dict(kind=kind, context=64, sparsity=0.07, gamma=6, method="vegas",
+                      tau=3.0 * f, tau_by_sequence=[f * t for t in base])]
+    out = ts.pooled(rows)
+    assert "| vegas | 4.50 | 3.00 | 1.250 [" in out  # (13.5 + 9) / (9 + 9)
+    assert "| stream | 3.00 | 3.00 | 1.000 [1.000, 1.000] | 0.800 [" in out
