@@ -152,8 +152,10 @@ def run(args) -> int:
         f"{st['batch']}; the first call, compiling, took {st['first_call_s']:.2f}s); "
         f"{st['decode_tokens_per_s']:.1f} tok/s after it; prefill {st['prefill_s']:.2f}s")
     if spec.method.speculative:
+        # no round read (auto stayed on plain steps; the last call is never read): no tau
+        tau = f"{st['tau']:.2f}" if st["rounds"] else "-"
         log(f"[vegas_jax] method={spec.name} gamma={spec.gamma} sparsity={spec.sparsity} "
-            f"tau={st['tau']:.2f} tokens/round over {st['rounds']} rounds; acceptance of "
+            f"tau={tau} tokens/round over {st['rounds']} rounds; acceptance of "
             f"draft i given 1..i-1 accepted: [{acc}]")
     if "auto" in st:
         a = st["auto"]
