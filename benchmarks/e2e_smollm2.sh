@@ -4,6 +4,7 @@
 # two `run` calls back to back), the prompts as token ids (.gpu_a/prompts.json: the GPU
 # image's transformers cannot read the GGUF's tokenizer), the gguf wheel in .gpu_a/whl.
 #   bash benchmarks/e2e_smollm2.sh [batch ...]      (default: 64 128 1)
+# METHODS=a,b,c and GAMMAS=6,8 override the methods and gammas of the batched runs.
 set -u
 export PYTHONPATH=.:/tmp/site PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=2
 OUT=${OUT:-/tmp/e2e}
@@ -20,6 +21,7 @@ for b in ${*:-64 128 1}; do
     $B --batch 1 --methods vanilla,vegas,auto --gammas 6 --profile-reps 0
     continue
   fi
-  $B --batch "$b" --methods vanilla,stream,last,vegas,auto --gammas 6,8
-  $B --batch "$b" $S --methods vanilla,stream,last,vegas,auto --gammas 6,8
+  M=${METHODS:-vanilla,stream,last,vegas,auto} G=${GAMMAS:-6,8}
+  $B --batch "$b" --methods "$M" --gammas "$G"
+  $B --batch "$b" $S --methods "$M" --gammas "$G"
 done 2>&1 | grep -v -i "warn\|donat"

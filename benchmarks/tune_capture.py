@@ -25,12 +25,19 @@ from pallas_kernels.verify_attention import (
 
 CANDIDATES = [
     ("default", CaptureBlocks()),
-    ("bs256", CaptureBlocks(block_s=256)),
-    ("bs128", CaptureBlocks(block_s=128)),
-    ("sum", CaptureBlocks(reduce="sum")),
-    ("sum bs256", CaptureBlocks(block_s=256, reduce="sum")),
+    ("dot bs512", CaptureBlocks(block_s=512, reduce="dot")),
+    ("dot bs256", CaptureBlocks(block_s=256, reduce="dot")),
+    ("sum bs512", CaptureBlocks(block_s=512, reduce="sum")),
     ("sum bs128 w2", CaptureBlocks(block_s=128, reduce="sum", num_warps=2)),
-    ("w8", CaptureBlocks(num_warps=8)),
+    # a program walks several steps: Triton pipelines the loads (num_stages)
+    ("sum 256x4 st2", CaptureBlocks(block_s=256, reduce="sum", cols=1024, num_stages=2)),
+    ("sum 256x8 st3", CaptureBlocks(block_s=256, reduce="sum", cols=2048, num_stages=3)),
+    ("sum 128x8 st3", CaptureBlocks(block_s=128, reduce="sum", cols=1024, num_stages=3)),
+    ("sum 128x16 st3 w2", CaptureBlocks(block_s=128, reduce="sum", cols=2048, num_stages=3,
+                                        num_warps=2)),
+    ("sum 512x4 st2 w8", CaptureBlocks(block_s=512, reduce="sum", cols=2048, num_stages=2,
+                                       num_warps=8)),
+    ("dot 256x4 st2", CaptureBlocks(block_s=256, cols=1024, num_stages=2)),
     ("default again", CaptureBlocks()),
 ]
 

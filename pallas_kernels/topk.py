@@ -8,10 +8,16 @@ more than kb winners; if one could, it falls back to `lax.top_k` for the batch (
 
 from __future__ import annotations
 
+import functools
 import math
 
+import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltr
+
+from pallas_kernels.common import pow2_at_least, whole
 
 
 def blockwise_topk(x, k, *, block=4096, oversample=2.0, fallback=True):
@@ -88,6 +94,86 @@ def kth_largest_key(key, k, *, radix_bits=2, count_impl="sep"):
     return prefix
 
 
+# The threshold as one Pallas (Triton) kernel: a program holds a row chunk in registers
+# and runs all 32 / radix_bits count passes over it, so the scores are read once, not once
+# a pass (16 passes over [L, b, s] fp32 in XLA: ~250 us a SmolLM2 round at B 64, H200).
+# Triton compares signed: keys are the int32 image of the order (`_signed_keys`), and a
+# threshold built as unsigned bits u compares as u ^ INT_MIN.
+
+_INT_MIN = -(2**31)
+
+
+def _wrap32(v: int) -> int:
+    return ((v + 2**31) % 2**32) - 2**31
+
+
+def _signed_keys(x):
+    """fp32 -> int32 in the float order under a signed compare (bits of `sortable_keys`
+    with the top bit flipped)."""
+    i = lax.bitcast_convert_type(x, jnp.int32)
+    return i ^ ((i >> 31) & jnp.int32(0x7FFFFFFF))
+
+
+def _kth_kernel(x_ref, k_ref, o_ref, *, n_rows, s_len, rb, chunk, radix_bits):
+    # x_ref [R, s] fp32 (whole); k_ref [rb] int32; o_ref [rb] int32 (unsigned bits)
+    r0 = pl.program_id(0) * rb
+    rows = r0 + jnp.arange(rb, dtype=jnp.int32)
+    want = k_ref[...]  # [rb]
+    nchunks = -(-s_len // chunk)
+
+    def keys(c):  # [rb, chunk]; padding and absent rows at the bottom of the order
+        cols = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
+        ok = (rows < n_rows)[:, None] & (cols < s_len)[None, :]
+        x = pltr.load(x_ref.at[pl.ds(r0, rb), pl.ds(c * chunk, chunk)], mask=ok, other=0.0)
+        return jnp.where(ok, _signed_keys(x), jnp.int32(_INT_MIN))
+
+    resident = keys(0) if nchunks == 1 else None
+    ncand = (1 << radix_bits) - 1
+    prefix = jnp.zeros((rb,), jnp.int32)
+    for p in range(32 // radix_bits):
+        shift = 32 - radix_bits * (p + 1)
+        thr = [(prefix + jnp.int32(_wrap32(j << shift))) ^ jnp.int32(_INT_MIN)
+               for j in range(1, ncand + 1)]  # [rb] each, signed-compare form
+
+        def count(key, thr=thr):
+            return [jnp.sum((key >= t[:, None]).astype(jnp.int32), axis=1) for t in thr]
+
+        if resident is not None:
+            cnt = count(resident)
+        else:
+            cnt = lax.fori_loop(0, nchunks, lambda c, acc: [a + n for a, n in
+                                                          zip(acc, count(keys(c)))],
+                                [jnp.zeros((rb,), jnp.int32)] * ncand)
+        nj = sum((c >= want).astype(jnp.int32) for c in cnt)  # counts fall as j grows
+        prefix = prefix + lax.shift_left(nj, jnp.int32(shift))
+    o_ref[...] = prefix
+
+
+def kth_largest_key_pallas(x, k, *, radix_bits=2, tile=8192, num_warps=8, interpret=False):
+    """`kth_largest_key(sortable_keys(x), k)` in one kernel: x [R, s] fp32 scores, k [R]
+    int32 (1 <= k <= s) -> [R] uint32. tile: elements a program holds (rows x chunk; rows
+    longer than a tile are re-read in chunks each pass)."""
+    r, s = x.shape
+    chunk = min(pow2_at_least(s), pow2_at_least(tile))
+    rb = max(1, tile // chunk)
+    rb = min(rb, pow2_at_least(r, lo=1))
+    nprog = -(-r // rb)
+    want = jnp.pad(jnp.broadcast_to(k, (r,)).astype(jnp.int32), (0, nprog * rb - r),
+                   constant_values=1)
+    out = pl.pallas_call(
+        functools.partial(_kth_kernel, n_rows=r, s_len=s, rb=rb, chunk=chunk,
+                          radix_bits=radix_bits),
+        grid=(nprog,),
+        in_specs=[whole(x.shape), pl.BlockSpec((rb,), lambda i: (i,))],
+        out_specs=pl.BlockSpec((rb,), lambda i: (i,)),
+        out_shape=jax.ShapeDtypeStruct((nprog * rb,), jnp.int32),
+        compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name="vegas_kth_largest",
+    )(x.astype(jnp.float32), want)
+    return lax.bitcast_convert_type(out[:r], jnp.uint32)
+
+
 def _block_prefix(v, block):
     """Inclusive prefix sums of small non-negative integers v [R, s] (float, exact in bf16,
     block-sum < 2**24) along the rows, blocks of `block` through a triangular matmul."""
@@ -99,7 +185,8 @@ def _block_prefix(v, block):
     return p
 
 
-def select_topk_fast(scores, k, *, counts=None, radix_bits=2, count_impl="sep", block=128):
+def select_topk_fast(scores, k, *, counts=None, radix_bits=2, count_impl="sep", block=128,
+                     threshold="xla", interpret=False):
     """Indices of the k largest scores along the last axis: scores [..., s] (fp32; -inf for
     masked positions) -> int32 [..., k], exact up to ties (ties broken by lower position,
     like `lax.top_k`); the order inside the set is by position, not by score. Rows with
@@ -109,7 +196,9 @@ def select_topk_fast(scores, k, *, counts=None, radix_bits=2, count_impl="sep", 
     for a reader that stops at the count).
     One call serves all layers and sequences at once: scores [L, b, s] -> [L, b, k].
     Defaults from the H200 run 3 (BENCHMARKS.md): radix_bits=2 (16 count passes of 3
-    thresholds) with sibling reductions beat 4 bits and the broadcast forms."""
+    thresholds) with sibling reductions beat 4 bits and the broadcast forms.
+    threshold: the k-th largest key by XLA count passes ("xla") or by one Pallas kernel
+    that reads the scores once ("pallas", `kth_largest_key_pallas`; GPU or interpret)."""
     *lead, s = scores.shape
     k = int(k)
     if not 1 <= k <= s:
@@ -118,8 +207,13 @@ def select_topk_fast(scores, k, *, counts=None, radix_bits=2, count_impl="sep", 
     r = x.shape[0]
     want = (jnp.full((r,), k, jnp.int32) if counts is None
             else jnp.broadcast_to(counts, tuple(lead)).reshape(r).astype(jnp.int32))
+    if threshold not in ("xla", "pallas"):
+        raise ValueError(f"threshold must be 'xla' or 'pallas', got {threshold!r}")
     key = sortable_keys(x)
-    t = kth_largest_key(key, want[:, None], radix_bits=radix_bits, count_impl=count_impl)
+    if threshold == "pallas":
+        t = kth_largest_key_pallas(x, want, radix_bits=radix_bits, interpret=interpret)
+    else:
+        t = kth_largest_key(key, want[:, None], radix_bits=radix_bits, count_impl=count_impl)
     t = t[:, None]
     gt = key > t
     eq = key == t

@@ -331,17 +331,24 @@ def capture_scores_reference(cbuf, lse, rowpos, w, s):
 
 @dataclasses.dataclass(frozen=True)
 class CaptureBlocks:
-    """Tuning knobs of `capture_scores`: block_s key columns a program (cut so that a
-    program's [rows, block_s] fp32 tile stays within `tile` elements: every verify row
-    captured (`last`, 64 rows at gamma 6) at 512 columns asked Triton for 264 KB of shared
-    memory), num_warps, and how the rows reduce into the output vectors: one small "dot"
-    with the weight matrix, or a masked "sum" per output vector (no tensor-core operands
-    in shared memory). `benchmarks.tune_capture` times them."""
+    """Tuning knobs of `capture_scores`: block_s key columns a step (cut so that a step's
+    [rows, block_s] fp32 tile stays within `tile` elements: every verify row captured
+    (`last`, 64 rows at gamma 6) at 512 columns asked Triton for 264 KB of shared memory),
+    cols: key columns a program walks in steps of block_s (None: one step; several steps
+    let Triton pipeline the loads, num_stages deep), num_warps, and how the rows reduce
+    into the output vectors: one small "dot" with the weight matrix (16 output rows
+    written, whatever n_out), or a masked "sum" per output vector (no tensor-core operands
+    in shared memory; writes only the n_out vectors). `benchmarks.tune_capture` times
+    them: on the H200 (SmolLM2 B 64, 7.7K, BENCHMARKS.md 2026-12-02) "sum" at 256 columns
+    took 33.6 us a layer against 60.4 for "dot" at 512, which wrote 16 output rows for
+    one; walking several steps a program measured slower."""
 
-    block_s: int = 512
+    block_s: int = 256
     tile: int = 16384
     num_warps: int = 4
-    reduce: str = "dot"
+    reduce: str = "sum"
+    cols: int | None = None
+    num_stages: int = 1
 
     def __post_init__(self):
         if self.reduce not in ("dot", "sum"):
@@ -349,49 +356,63 @@ class CaptureBlocks:
 
 
 def _capture_scores_kernel(cbuf_ref, lse_ref, rp_ref, w_ref, o_ref, *, r, n_out, block_s,
-                           s_len, reduce):
+                           steps, s_len, reduce):
     # cbuf_ref [b * r + spare, s_pad]; lse_ref, rp_ref [b, RP]; w_ref [NO, RP];
-    # o_ref [NO, block_s]
+    # o_ref [NO, steps * block_s] ("dot") or [n_out, steps * block_s] ("sum")
     bi, sj = pl.program_id(0), pl.program_id(1)
     rp_n = lse_ref.shape[1]
     rows = jnp.arange(rp_n, dtype=jnp.int32)
-    cols = sj * block_s + jnp.arange(block_s, dtype=jnp.int32)
-    ok = (rows < r)[:, None] & (cols < s_len)[None, :]
-    logits = pltr.load(cbuf_ref.at[pl.ds(bi * r, rp_n), pl.ds(sj * block_s, block_s)],
-                       mask=ok, other=0.0).astype(jnp.float32)  # [RP, block_s]
     lse = lse_ref[bi, :]  # [RP]
     rp = rp_ref[bi, :]
-    vis = ok & (cols[None, :] <= rp[:, None])
-    p = jnp.where(vis, jnp.exp2(logits - lse[:, None]), 0.0)
-    if reduce == "dot":
-        o_ref[...] = dot(w_ref[...], p)  # [NO, block_s]
-        return
-    for i in range(n_out):  # rows past n_out are never read
-        o_ref[i, :] = jnp.sum(p * w_ref[i, :][:, None], axis=0)
+
+    def step(c, carry):
+        c0 = (sj * steps + c) * block_s
+        cols = c0 + jnp.arange(block_s, dtype=jnp.int32)
+        ok = (rows < r)[:, None] & (cols < s_len)[None, :]
+        logits = pltr.load(cbuf_ref.at[pl.ds(bi * r, rp_n), pl.ds(c0, block_s)],
+                           mask=ok, other=0.0).astype(jnp.float32)  # [RP, block_s]
+        vis = ok & (cols[None, :] <= rp[:, None])
+        p = jnp.where(vis, jnp.exp2(logits - lse[:, None]), 0.0)
+        if reduce == "dot":
+            o_ref[:, pl.ds(c * block_s, block_s)] = dot(w_ref[...], p)  # [NO, block_s]
+        else:
+            for i in range(n_out):  # rows past n_out are never read
+                o_ref[i, pl.ds(c * block_s, block_s)] = jnp.sum(p * w_ref[i, :][:, None],
+                                                                axis=0)
+        return carry
+
+    if steps == 1:
+        step(0, 0)
+    else:
+        lax.fori_loop(0, steps, step, 0)
 
 
 def capture_scores(cbuf, lse, rowpos, w, s, *, blocks: CaptureBlocks = CaptureBlocks(),
                    interpret=False):
     """`capture_scores_reference` as one Pallas (Triton) kernel a layer: programs over
-    (sequence, key block), each reads its rows' logits once. (In XLA the 30 layers'
+    (sequence, key range), each reads its rows' logits once. (In XLA the 30 layers'
     epilogues were fused into one multi-output loop fusion with the reductions inlined:
     1.1-1.4 ms a SmolLM2 round at B 64 on the H200; this kernel: 0.8 ms.)"""
     b, r = lse.shape
     n_out = w.shape[0]
     rp_n, no = pow2_at_least(r), pow2_at_least(n_out)
     block_s = min(blocks.block_s, max(16, blocks.tile // rp_n), pow2_at_least(s))
-    nsb = pl.cdiv(s, block_s)
+    steps = max(1, min((blocks.cols or block_s) // block_s, pl.cdiv(s, block_s)))
+    cols = steps * block_s
+    nsb = pl.cdiv(s, cols)
+    rows_out = no if blocks.reduce == "dot" else pow2_at_least(n_out, lo=1)
     lse_p = jnp.pad(lse.astype(jnp.float32), ((0, 0), (0, rp_n - r)))
     rp_p = jnp.pad(rowpos.astype(jnp.int32), ((0, 0), (0, rp_n - r)), constant_values=-1)
     w_p = jnp.pad(jnp.asarray(w, jnp.float32), ((0, no - n_out), (0, rp_n - r)))
     out = pl.pallas_call(
-        functools.partial(_capture_scores_kernel, r=r, n_out=n_out, block_s=block_s, s_len=s,
-                          reduce=blocks.reduce),
+        functools.partial(_capture_scores_kernel, r=r, n_out=n_out, block_s=block_s,
+                          steps=steps, s_len=s, reduce=blocks.reduce),
         grid=(b, nsb),
         in_specs=[whole(cbuf.shape), whole((b, rp_n)), whole((b, rp_n)), whole((no, rp_n))],
-        out_specs=pl.BlockSpec((None, no, block_s), lambda bi, sj: (bi, 0, sj)),
-        out_shape=jax.ShapeDtypeStruct((b, no, nsb * block_s), jnp.float32),
-        compiler_params=pltr.CompilerParams(num_warps=blocks.num_warps, num_stages=1),
+        out_specs=pl.BlockSpec((None, rows_out, cols), lambda bi, sj: (bi, 0, sj)),
+        out_shape=jax.ShapeDtypeStruct((b, rows_out, nsb * cols), jnp.float32),
+        compiler_params=pltr.CompilerParams(num_warps=blocks.num_warps,
+                                            num_stages=blocks.num_stages),
         interpret=interpret,
         name="vegas_capture_scores",
     )(cbuf, lse_p, rp_p, w_p)

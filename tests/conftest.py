@@ -92,6 +92,26 @@ def build_tiny_hf(kind: str, out_dir, seed: int = 0):
     return model
 
 
+@pytest.fixture
+def pallas_interpret(monkeypatch):
+    """Every Pallas kernel the model's Pallas path calls, in interpret mode (CPU)."""
+    import functools
+
+    from pallas_kernels.sparse_attention import sparse_attention, sparse_step
+    from pallas_kernels.topk import select_topk_fast
+    from pallas_kernels.verify_attention import verify_attention
+    from vegas_jax import attention as attn_mod
+    from vegas_jax import selection as sel_mod
+
+    monkeypatch.setattr(attn_mod, "verify_attention",
+                        functools.partial(verify_attention, interpret=True))
+    monkeypatch.setattr(attn_mod, "sparse_attention",
+                        functools.partial(sparse_attention, interpret=True))
+    monkeypatch.setattr(attn_mod, "sparse_step", functools.partial(sparse_step, interpret=True))
+    monkeypatch.setattr(sel_mod, "select_topk_fast",
+                        functools.partial(select_topk_fast, interpret=True))
+
+
 @pytest.fixture(scope="session")
 def tiny_hf(tmp_path_factory):
     """tiny_hf(kind) -> (checkpoint_dir, torch_model), built once per session."""

@@ -1,16 +1,12 @@
 """The attention dispatch: finished sequences skip their attention on the Pallas path
 (kernels in interpret mode), and every other row is what it was."""
 
-import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.sparse_attention import sparse_attention, sparse_step
-from pallas_kernels.verify_attention import verify_attention
-from vegas_jax import attention as attn_mod
 from vegas_jax.attention import AttnPlan, Capture, attention, sparse_block
 from vegas_jax.execution import ExecConfig
 from tests.tiny import tiny_config
@@ -19,12 +15,8 @@ PALLAS = ExecConfig(attn="pallas", gemm="triton", layers="scan", draft="fused")
 
 
 @pytest.fixture
-def interpret(monkeypatch):
-    monkeypatch.setattr(attn_mod, "verify_attention",
-                        functools.partial(verify_attention, interpret=True))
-    monkeypatch.setattr(attn_mod, "sparse_attention",
-                        functools.partial(sparse_attention, interpret=True))
-    monkeypatch.setattr(attn_mod, "sparse_step", functools.partial(sparse_step, interpret=True))
+def interpret(pallas_interpret):
+    return pallas_interpret
 
 
 def _cache(L=2, b=3, kh=2, s=96, d=16, seed=0):

@@ -44,7 +44,7 @@ def test_pooled_budget_takes_the_largest_weights_over_all_layers():
     n = jnp.array([500, 1000])
     pool = sel.VerifyGuided("pair", pool=2.0)
     assert pool.name == "vegas-pool"
-    got = pool.update(SPEC, None, scores, _Cache(), n, jnp.zeros_like(n))
+    got = pool.update(SPEC, None, scores, _Cache(), n, jnp.zeros_like(n), None)
     per_layer = np.asarray(sel.budget(SPEC, n, MAX_LEN))
     cap = int(np.ceil(2.0 * sel.max_budget(SPEC, MAX_LEN)))
     assert got.idx.shape[-1] == cap
@@ -74,12 +74,12 @@ def test_decay_carries_the_scores_of_earlier_rounds():
     dec = sel.VerifyGuided("pair", decay=0.5)
     assert dec.name == "vegas-decay"
     st1 = dec.update(SPEC, sel.TopK(None, None, None, None), s1, _Cache(), n1,
-                     jnp.zeros_like(n1))
-    st2 = dec.update(SPEC, st1, s2, _Cache(), n2, jnp.zeros_like(n2))
+                     jnp.zeros_like(n1), None)
+    st2 = dec.update(SPEC, st1, s2, _Cache(), n2, jnp.zeros_like(n2), None)
     # what is carried past the first round's range is -inf: those slots held drafts
     carried = jnp.where(jnp.arange(MAX_LEN) <= n1[None, :, None], s1, -jnp.inf)
     want = jnp.maximum(s2, 0.5 * carried)
-    plain = sel.VerifyGuided("pair").update(SPEC, None, s2, _Cache(), n2, jnp.zeros_like(n2))
+    plain = sel.VerifyGuided("pair").update(SPEC, None, s2, _Cache(), n2, jnp.zeros_like(n2), None)
     sets, plain_sets = _sets(st2), _sets(plain)
     differs = False
     for l in range(L):
@@ -101,7 +101,7 @@ def test_accepted_rows_average_only_the_kept_tokens():
     acc = sel.VerifyGuided("accepted")
     assert acc.name == "vegas-accepted"
     assert acc.capture(SPEC).reduce == "rows" and acc.capture(SPEC).rows == tuple(range(r))
-    got = _sets(acc.update(SPEC, None, scores, _Cache(), n, n_acc))
+    got = _sets(acc.update(SPEC, None, scores, _Cache(), n, n_acc, None))
     count = np.asarray(sel.budget(SPEC, n, MAX_LEN))
     for l in range(L):
         for j in range(b):

@@ -10,13 +10,11 @@ oldest positions) must fail the same comparison."""
 
 from __future__ import annotations
 
-import functools
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from vegas_jax import attention as attn_mod
 from vegas_jax.attention import Capture
 from vegas_jax.loading import load_model
 from vegas_jax.runtime import exec_config, prefill_prompts, start
@@ -51,17 +49,9 @@ def _same_top(got, scores, count, tol=1e-6):
 
 
 @pytest.mark.parametrize("impl", ["xla", "pallas"])
-def test_vegas_selection_is_the_top_of_verify_rows_0_and_gamma(tiny_hf, impl, monkeypatch):
+def test_vegas_selection_is_the_top_of_verify_rows_0_and_gamma(tiny_hf, impl, request):
     if impl == "pallas":  # the Pallas kernels on the CPU, in interpret mode
-        from pallas_kernels.sparse_attention import sparse_attention, sparse_step
-        from pallas_kernels.verify_attention import verify_attention
-
-        monkeypatch.setattr(attn_mod, "verify_attention",
-                            functools.partial(verify_attention, interpret=True))
-        monkeypatch.setattr(attn_mod, "sparse_attention",
-                            functools.partial(sparse_attention, interpret=True))
-        monkeypatch.setattr(attn_mod, "sparse_step",
-                            functools.partial(sparse_step, interpret=True))
+        request.getfixturevalue("pallas_interpret")
     ckpt, hf_model = tiny_hf("llama-gqa")
     model = load_model(checkpoint=ckpt, dtype=jnp.float32)
     cfg = model.config
@@ -79,7 +69,7 @@ def test_vegas_selection_is_the_top_of_verify_rows_0_and_gamma(tiny_hf, impl, mo
                                      spec.method.capture(spec))
     assert spec.method.capture(spec) == Capture((0, GAMMA), "mean", "weight")
     n = cache.lengths
-    sel = spec.method.update(spec, None, scores, vcache, n, jnp.zeros_like(n))
+    sel = spec.method.update(spec, None, scores, vcache, n, jnp.zeros_like(n), xc)
     idx, count = np.asarray(sel.idx), np.asarray(sel.count)
 
     for b, (p, t) in enumerate(zip(prompts, tails)):

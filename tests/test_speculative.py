@@ -210,7 +210,7 @@ def test_selection_comes_from_the_verify_pass(tiny, monkeypatch):
     cache = init_cache(cfg, 2, 256, jnp.float32).replace(lengths=jnp.array([40, 70]))
     scores = jnp.ones((cfg.num_layers, 2, 256))
     x0 = jnp.array([1, 2])
-    state = spm.init_state(spec, cache, x0, jax.random.PRNGKey(0), scores, jnp.array([40, 70]),
+    state = spm.init_state(spec, XLA, cache, x0, jax.random.PRNGKey(0), scores, jnp.array([40, 70]),
                            Progress.start(x0, 10, ()))
     jax.eval_shape(lambda st: spm.spec_round.__wrapped__(tiny.params, cfg, XLA, st, spec,
                                                          SamplingParams()), state)
@@ -284,7 +284,7 @@ def test_window_keeps_sink_and_recent_inside_the_budget():
     n = jnp.array([400, 1000])
     win = sel.VerifyGuided("pair", sink=4, recent=6)
     assert win.name == "vegas-window"
-    got = win.update(spec, None, scores, _Cache(max_len), n, jnp.zeros_like(n))
+    got = win.update(spec, None, scores, _Cache(max_len), n, jnp.zeros_like(n), None)
     ref_idx, ref_count = sel.select_topk(scores, n, spec, max_len)
     np.testing.assert_array_equal(np.asarray(got.count), np.asarray(ref_count))
     for layer in range(2):
@@ -445,22 +445,11 @@ def test_drive_keeps_one_call_in_flight():
 
 @pytest.mark.parametrize("method,draft", [("vegas", "fused"), ("stream", "split"),
                                          ("vegas-heads", "fused")])
-def test_pallas_kernels_end_to_end_equal_the_xla_path(monkeypatch, method, draft):
+def test_pallas_kernels_end_to_end_equal_the_xla_path(pallas_interpret, method, draft):
     """speculative_generate through the Pallas kernels (interpret mode on the CPU: prefill,
     verify with capture, sparse drafts as one fused kernel a layer or split around the
     sparse-attention kernel) gives the XLA path's tokens, which are vanilla's; the fused
     drafts' acceptance equals the XLA drafts' (same attention, so the same drafts)."""
-    import functools
-
-    from pallas_kernels.sparse_attention import sparse_attention, sparse_step
-    from pallas_kernels.verify_attention import verify_attention
-    from vegas_jax import attention as attn_mod
-
-    monkeypatch.setattr(attn_mod, "verify_attention",
-                        functools.partial(verify_attention, interpret=True))
-    monkeypatch.setattr(attn_mod, "sparse_attention",
-                        functools.partial(sparse_attention, interpret=True))
-    monkeypatch.setattr(attn_mod, "sparse_step", functools.partial(sparse_step, interpret=True))
     m = tiny_model(scale=0.3)
     m = m._replace(exec_config=ExecConfig(draft=draft))
     rng = np.random.default_rng(11)

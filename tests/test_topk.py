@@ -99,3 +99,23 @@ def test_select_topk_fast_counts_per_row():
             want = np.asarray(jax.lax.top_k(x[r, c], n)[1])
             assert set(got.tolist()) == set(want.tolist())
             assert (idx[r, c, n:] == 0).all()
+
+
+@pytest.mark.parametrize("r,s,tile", [(5, 700, 8192), (3, 3000, 1024), (6, 33, 64)])
+def test_kth_largest_key_kernel_matches_the_count_passes(r, s, tile):
+    """The Pallas threshold (interpret mode; one resident chunk, and rows re-read in
+    chunks) equals the XLA count passes, with -inf, ties and -0.0 in the rows; through
+    select_topk_fast the index sets are identical."""
+    from pallas_kernels.topk import kth_largest_key, kth_largest_key_pallas
+
+    x = jax.random.normal(jax.random.PRNGKey(r), (r, s))
+    x = x.at[0, :20].set(-jnp.inf).at[1, 10:20].set(x[1, 5]).at[2, 3].set(-0.0)
+    k = jnp.array([1, s, 7, 12, 2, 3])[:r] % s + 1
+    got = kth_largest_key_pallas(x, k, tile=tile, interpret=True)
+    np.testing.assert_array_equal(np.asarray(got),
+                                  np.asarray(kth_largest_key(sortable_keys(x), k[:, None])))
+    kk = min(9, s)
+    np.testing.assert_array_equal(
+        np.asarray(select_topk_fast(x, kk, counts=jnp.minimum(k, kk), threshold="pallas",
+                                    interpret=True)),
+        np.asarray(select_topk_fast(x, kk, counts=jnp.minimum(k, kk))))

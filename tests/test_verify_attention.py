@@ -159,11 +159,12 @@ def test_wave_splits_fill_the_last_wave():
     assert 17 <= wave_splits(32, 32896, 128, 17, 64, 132) <= 26  # at most 1.5x the target
 
 
-@pytest.mark.parametrize("capture,rows,reduce", [("mean", (0, 3), "dot"),
-                                                 ("rows", (0, 3, 3), "sum"),
-                                                 ("heads", (0, 2), "dot"),
-                                                 ("heads", (0, 2), "sum")])
-def test_capture_scores_kernel_matches_reference(capture, rows, reduce):
+@pytest.mark.parametrize("capture,rows,reduce,cols", [("mean", (0, 3), "dot", None),
+                                                      ("mean", (0, 3), "sum", 256),
+                                                      ("rows", (0, 3, 3), "sum", None),
+                                                      ("heads", (0, 2), "dot", 256),
+                                                      ("heads", (0, 2), "sum", None)])
+def test_capture_scores_kernel_matches_reference(capture, rows, reduce, cols):
     """The capture epilogue kernel (interpret mode) against its jnp reference: stale
     logits past each row's position and garbage in unwritten rows must not leak in."""
     from pallas_kernels.verify_attention import (
@@ -182,7 +183,7 @@ def test_capture_scores_kernel_matches_reference(capture, rows, reduce):
     rowpos = jnp.tile(jnp.repeat(pos, g, axis=1), (1, kh))
     w = _capture_weights(capture, kh, g, uniq, list(rows), mult)
     ref = capture_scores_reference(cbuf, lse, rowpos, w, s)
-    blocks = CaptureBlocks(block_s=128, reduce=reduce)
+    blocks = CaptureBlocks(block_s=128, reduce=reduce, cols=cols)  # cols: 2 steps a program
     got = capture_scores(cbuf, lse, rowpos, w, s, blocks=blocks, interpret=True)
     assert got.shape == ref.shape == (b, w.shape[0], s)
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-6)

@@ -93,7 +93,7 @@ class Phases:
             scores = jax.random.uniform(jax.random.PRNGKey(1), (cfg.num_layers, b, cache.max_len))
         x0 = jnp.zeros((b,), jnp.int32) if x0 is None else x0
         big = 1 << 30  # never stops: phases are timed, not generated
-        self.state = S.init_state(spec, cache, x0, jax.random.PRNGKey(0), scores, self.n + 0,
+        self.state = S.init_state(spec, xc, cache, x0, jax.random.PRNGKey(0), scores, self.n + 0,
                                   Progress.start(x0, big, ()))
         self.drafts = jnp.zeros((b, spec.gamma), jnp.int32)
         key = jax.random.PRNGKey(2)
@@ -110,7 +110,7 @@ class Phases:
             return c2.replace(lengths=n), sc, lg[:, 0, :1]
 
         def select(st, sc):
-            return spec.method.update(spec, st.sel, sc, st.cache, n, jnp.zeros_like(n))
+            return spec.method.update(spec, st.sel, sc, st.cache, n, jnp.zeros_like(n), xc)
 
         self._draft = jax.jit(draft, donate_argnums=1, compiler_options=opts)
         self._verify = jax.jit(verify, static_argnames=("capture",), donate_argnums=1,

@@ -16,6 +16,7 @@ ATTN = ("auto", "pallas", "xla")
 GEMM = ("auto", "triton", "cublas")
 LAYERS = ("auto", "scan", "unrolled")
 DRAFT = ("auto", "fused", "split")
+SELECT = ("auto", "pallas", "xla")
 
 # GPU defaults, from kernel profiles and host timings (BENCHMARKS.md, "What changed",
 # "Weight reads" and "Host dispatch"): decode-shaped matmuls read large weights several
@@ -37,19 +38,23 @@ class ExecConfig:
     draft: with the Pallas kernels, a sparse draft step's attention block (Q/K norm, RoPE,
       K/V write, sparse attention, combine) runs as one "fused" kernel or "split" into
       XLA ops around the sparse-attention kernel; no effect on the XLA path.
+    select: the selection's top-k threshold: one "pallas" kernel that reads the scores
+      once, or XLA count passes ("xla", one read of the scores a pass).
     tp: tensor-parallel degree: the model split across this many devices (`sharding`).
     "auto" resolves by backend: on the GPU cuBLAS and unrolled layers; elsewhere the XLA
-    path and a scan; fused drafts wherever the Pallas kernels run."""
+    path and a scan; fused drafts wherever the Pallas kernels run; the selection's kernel
+    where the attention's are."""
 
     attn: str = "auto"
     gemm: str = "auto"
     layers: str = "auto"
     draft: str = "auto"
+    select: str = "auto"
     tp: int = 1
 
     def __post_init__(self):
         for name, allowed in (("attn", ATTN), ("gemm", GEMM), ("layers", LAYERS),
-                              ("draft", DRAFT)):
+                              ("draft", DRAFT), ("select", SELECT)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if int(self.tp) != self.tp or self.tp < 1:
@@ -58,17 +63,19 @@ class ExecConfig:
     def resolve(self, backend: str | None = None) -> "ExecConfig":
         """Concrete choices on `backend` (default: JAX's)."""
         gpu = (backend or jax.default_backend()) == "gpu"
+        attn = self.attn if self.attn != "auto" else ("pallas" if gpu else "xla")
         return ExecConfig(
-            attn=self.attn if self.attn != "auto" else ("pallas" if gpu else "xla"),
+            attn=attn,
             gemm=self.gemm if self.gemm != "auto" else ("cublas" if gpu else "triton"),
             layers=self.layers if self.layers != "auto" else ("unrolled" if gpu else "scan"),
             draft=self.draft if self.draft != "auto" else "fused",
+            select=self.select if self.select != "auto" else attn,
             tp=self.tp,
         )
 
     @property
     def resolved(self) -> bool:
-        return "auto" not in (self.attn, self.gemm, self.layers, self.draft)
+        return "auto" not in (self.attn, self.gemm, self.layers, self.draft, self.select)
 
     def compiler_options(self) -> dict:
         """XLA options of every jitted model function: on the GPU, cuBLAS reading a layer
@@ -123,8 +130,12 @@ def add_exec_args(p) -> None:
                    help="Pallas path only: a draft step's attention block (norm, RoPE, K/V "
                    "write, sparse attention) as one fused kernel (auto) or split into XLA "
                    "ops around the sparse-attention kernel")
+    p.add_argument("--select-impl", default="auto", choices=SELECT,
+                   help="the selection's top-k threshold: one Pallas kernel reading the "
+                   "scores once, or XLA count passes; auto: pallas where the attention is")
 
 
 def exec_from_args(args) -> ExecConfig:
     return ExecConfig(attn=args.attn_impl or "auto", gemm=args.gemm, layers=args.layers,
-                      draft=args.draft_attn, tp=args.tp)
+                      draft=args.draft_attn, select=getattr(args, "select_impl", "auto"),
+                      tp=args.tp)

@@ -297,11 +297,14 @@ def decode_text(model, tokens):
 
 def exec_config(model, attn_impl: str | None = None) -> ExecConfig:
     """The model's execution config, resolved, with the attention backend overridden by
-    `attn_impl` when given. The layer loop follows the params' layout (set at load time by
-    `layout_params`), so the two can never disagree."""
+    `attn_impl` when given (the selection's kernel then follows it). The layer loop follows
+    the params' layout (set at load time by `layout_params`), so the two can never
+    disagree."""
     xc = getattr(model, "exec_config", None) or ExecConfig()
     layers = "unrolled" if isinstance(model.params.layers, tuple) else "scan"
-    return dataclasses.replace(xc, layers=layers, attn=attn_impl or xc.attn).resolve()
+    if attn_impl:
+        xc = dataclasses.replace(xc, attn=attn_impl, select=attn_impl)
+    return dataclasses.replace(xc, layers=layers).resolve()
 
 
 def start(model, prompts, max_new_tokens, sampling, extra_len, attn_impl, max_batch=None):

@@ -56,13 +56,20 @@ def budget(spec, n, max_len: int):
     return jnp.minimum(tokens, n + 1)
 
 
-def select_topk(scores, r_end, spec, max_len: int):
+def _threshold(xc) -> str:
+    """The top-k threshold's backend (`ExecConfig.select`; "auto" follows the attention)."""
+    if xc is None:
+        return "xla"
+    return xc.select if xc.select != "auto" else ("pallas" if xc.attn == "pallas" else "xla")
+
+
+def select_topk(scores, r_end, spec, max_len: int, xc=None):
     """Per (layer, sequence) top-`budget` over the ranked range 0..r_end.
 
     scores [L, b, s], or [L, b, k, s] for one selection per KV head; r_end [b]. Returns idx
     [L, b, (k,) K] (the best `count` in the first `count` slots, in position order: the
     draft's gathers walk the cache forwards; the slots after hold position 0, which the
-    draft masks) and count [L, b, (k)].
+    draft masks) and count [L, b, (k)]. xc: the ExecConfig (None: the XLA threshold).
     """
     s = scores.shape[-1]
     r_end = r_end.reshape((1, -1) + (1,) * (scores.ndim - 2))  # against [L, b, (k,) s]
@@ -72,11 +79,12 @@ def select_topk(scores, r_end, spec, max_len: int):
     # Threshold select of exactly `count` per row (exact up to ties, one call for all
     # layers): 2-3x cheaper than lax.top_k on the H200 at these sizes (BENCHMARKS.md,
     # kernels run 3), and no sort of the winners by score.
-    idx = select_topk_fast(scores, max_budget(spec, max_len), counts=count)
+    idx = select_topk_fast(scores, max_budget(spec, max_len), counts=count,
+                           threshold=_threshold(xc))
     return idx.astype(jnp.int32), count
 
 
-def select_pooled(scores, r_end, spec, max_len: int, cap: float):
+def select_pooled(scores, r_end, spec, max_len: int, cap: float, xc=None):
     """One budget for all layers of a sequence (issue 16): the L * budget entries with the
     largest scores over every layer together, each layer keeping at most `cap` times the
     per-layer budget. With softmax weights (each layer's scores sum to one), that takes
@@ -101,7 +109,7 @@ def select_pooled(scores, r_end, spec, max_len: int, cap: float):
     left = (L * per_layer)[:, None] - above.sum(1, keepdims=True) - (jnp.cumsum(ties, 1) - ties)
     count = above + jnp.clip(left, 0, ties)
     count = jnp.clip(count, 1, jnp.minimum(k_cap, r_end + 1)[:, None]).T  # [L, b]
-    idx = select_topk_fast(scores, k_cap, counts=count)
+    idx = select_topk_fast(scores, k_cap, counts=count, threshold=_threshold(xc))
     return idx.astype(jnp.int32), count
 
 
@@ -120,16 +128,16 @@ class Method:
     def tail_len(self, spec, max_len: int) -> int:
         raise NotImplementedError
 
-    def init(self, spec, cache, scores, lens) -> Any:
+    def init(self, spec, cache, scores, lens, xc) -> Any:
         """The first selection state, from the prefill (`scores` from the last prompt
-        token's row when `capture` asks for any)."""
+        token's row when `capture` asks for any). xc: the ExecConfig (kernel backends)."""
         return None
 
     def draft_plan(self, spec, sel, cache, pos) -> AttnPlan:
         """The draft step's attention at query positions pos [b]; cache.lengths = n."""
         raise NotImplementedError
 
-    def update(self, spec, sel, scores, cache, n, n_acc) -> Any:
+    def update(self, spec, sel, scores, cache, n, n_acc, xc) -> Any:
         """The next round's selection state after a verify of the round that started at
         n [b] and accepted n_acc [b] drafts (cache: the verified cache, lengths still n)."""
         return sel
@@ -218,11 +226,11 @@ class VerifyGuided(Method):
             return Capture((0, spec.gamma), "mean", spec.score)
         return Capture(every, "mean" if self.rows == "all" else "rows", spec.score)
 
-    def _select(self, spec, scores, r_end, max_len):
+    def _select(self, spec, scores, r_end, max_len, xc):
         scores = self._guaranteed(scores, r_end)
         if self.pool:
-            return select_pooled(scores, r_end, spec, max_len, self.pool)
-        return select_topk(scores, r_end, spec, max_len)
+            return select_pooled(scores, r_end, spec, max_len, self.pool, xc)
+        return select_topk(scores, r_end, spec, max_len, xc)
 
     def _carry(self, scores, old, r_end):
         """scores = max(new, decay * old) over the ranked range 0..r_end [b]; -inf past it
@@ -239,18 +247,18 @@ class VerifyGuided(Method):
         # accepted tokens + the bonus + gamma - 1 drafts
         return 2 * spec.gamma + 1
 
-    def init(self, spec, cache, scores, lens):
+    def init(self, spec, cache, scores, lens, xc):
         # The last prompt token's row ranks the whole prompt.
         acc = self._carry(scores, None, lens - 1)
         idx, count = self._select(spec, scores if acc is None else acc, lens - 1,
-                                  cache.max_len)
+                                  cache.max_len, xc)
         return TopK(idx, count, lens, acc)
 
     def draft_plan(self, spec, sel, cache, pos):
         return AttnPlan(mode="sparse", tail_len=self.tail_len(spec, cache.max_len),
                         idx=sel.idx, count=sel.count, tail_start=sel.end)
 
-    def update(self, spec, sel, scores, cache, n, n_acc):
+    def update(self, spec, sel, scores, cache, n, n_acc, xc):
         if self.rows == "last":  # scores [L, b, r, s]: keep the last accepted token's row
             scores = jnp.take_along_axis(scores, n_acc[None, :, None, None], axis=2)[:, :, 0]
         elif self.rows == "accepted":  # the mean of rows 0..n_acc
@@ -258,7 +266,7 @@ class VerifyGuided(Method):
             w = kept / (n_acc[:, None] + 1.0)
             scores = jnp.einsum("lbrs,br->lbs", scores, w)
         acc = self._carry(scores, sel.acc if self.decay else None, n)
-        idx, count = self._select(spec, scores if acc is None else acc, n, cache.max_len)
+        idx, count = self._select(spec, scores if acc is None else acc, n, cache.max_len, xc)
         return TopK(idx, count, n + 1, acc)
 
     def after_plain(self, spec, sel, n):
@@ -358,7 +366,7 @@ class Quest(Method):
         # from the last complete page's end (< page_size behind n) to the last draft, n + gamma - 1
         return self.page_size + spec.gamma
 
-    def init(self, spec, cache, scores, lens):
+    def init(self, spec, cache, scores, lens, xc):
         return PageBounds(*page_bounds(cache.k, self.page_size))
 
     def draft_plan(self, spec, sel, cache, pos):
@@ -370,7 +378,7 @@ class Quest(Method):
                         picker=QuestPicker(self.page_size, max_pages), tail_start=ready,
                         picker_inputs=(sel.page_min, sel.page_max, -(-tokens // self.page_size)))
 
-    def update(self, spec, sel, scores, cache, n, n_acc):
+    def update(self, spec, sel, scores, cache, n, n_acc, xc):
         """Recompute the pages a round can complete, from n's page on: O(gamma) per round."""
         p = self.page_size
         width = (-(-(spec.gamma + 2) // p) + 1) * p
@@ -413,14 +421,14 @@ class Auto(Method):
     def tail_len(self, spec, max_len):
         return self.base.tail_len(spec, max_len)
 
-    def init(self, spec, cache, scores, lens):
-        return self.base.init(spec, cache, scores, lens)
+    def init(self, spec, cache, scores, lens, xc):
+        return self.base.init(spec, cache, scores, lens, xc)
 
     def draft_plan(self, spec, sel, cache, pos):
         return self.base.draft_plan(spec, sel, cache, pos)
 
-    def update(self, spec, sel, scores, cache, n, n_acc):
-        return self.base.update(spec, sel, scores, cache, n, n_acc)
+    def update(self, spec, sel, scores, cache, n, n_acc, xc):
+        return self.base.update(spec, sel, scores, cache, n, n_acc, xc)
 
     def after_plain(self, spec, sel, n):
         return self.base.after_plain(spec, sel, n)

@@ -136,18 +136,18 @@ def spec_round(params, cfg: ModelConfig, xc: ExecConfig, state: SpecState, spec:
     emitted = jnp.where(slot < n_acc[:, None], padded,
                         jnp.where(slot == n_acc[:, None], nxt[:, None], -1))
     emitted, progress = state.progress.emit(jnp.where(active[:, None], emitted, -1))
-    sel = spec.method.update(spec, state.sel, scores, cache, n, n_acc)
+    sel = spec.method.update(spec, state.sel, scores, cache, n, n_acc, xc)
     new = SpecState(cache=cache.replace(lengths=jnp.where(active, n + n_acc + 1, n)),
                     x0=jnp.where(active, nxt, state.x0), key=key, sel=sel, progress=progress)
     return new, emitted, jnp.copy(progress.done), n_acc, active
 
 
-@functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("cache",))
-def init_state(spec: SpecConfig, cache: KVCache, x0, key, scores, lens,
+@functools.partial(jax.jit, static_argnames=("spec", "xc"), donate_argnames=("cache",))
+def init_state(spec: SpecConfig, xc: ExecConfig, cache: KVCache, x0, key, scores, lens,
                progress: Progress) -> SpecState:
     """The first state after a prefill. Jitted: run op by op, the selection's top-k took
     ~75 ms a call (CPU), paid again for every refilled slot."""
-    sel = spec.method.init(spec, cache, scores, lens)
+    sel = spec.method.init(spec, cache, scores, lens, xc)
     return SpecState(cache=cache, x0=x0, key=key, sel=sel, progress=progress)
 
 
@@ -350,7 +350,7 @@ def speculative_generate(
                                             prefill_capture(spec))
     x0, _ = sample(k0, logits, sampling)
     progress = Progress.start(x0, max_new_tokens, eos)
-    state = init_state(spec, cache, x0, key, scores, cache.lengths + 0,  # own buffer: donated
+    state = init_state(spec, xc, cache, x0, key, scores, cache.lengths + 0,  # own buffer: donated
                        progress)
     collector.add([[t] for t in jax.device_get(x0)])
     prefill_s = time.perf_counter() - t0
@@ -421,7 +421,7 @@ def speculative_generate(
         grp, first, sc = prefill_group(model, xc, [ids[p] for p in prompts], rows,
                                        cache.max_len, prefill_capture(spec),
                                        jax.random.fold_in(k0, prompts[0]), sampling)
-        return init_state(spec, grp, first, key, sc, grp.lengths + 0,
+        return init_state(spec, xc, grp, first, key, sc, grp.lengths + 0,
                           Progress.start(first, max_new_tokens, eos)), first
 
     refill = Refill(range(batch, len(ids)), prefill_some, collector) if len(ids) > batch else None
