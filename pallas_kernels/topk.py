@@ -101,6 +101,11 @@ def kth_largest_key(key, k, *, radix_bits=2, count_impl="sep"):
 # threshold built as unsigned bits u compares as u ^ INT_MIN.
 
 _INT_MIN = -(2**31)
+# Longest row the kernel serves in `select_topk_fast`: one register-resident chunk. Longer
+# rows would be re-read chunk by chunk in every pass by one program a row (few rows at long
+# context: Qwen3-8B B 4 at 128K has 144), serially; not measured, so XLA's passes, which
+# spread each pass over the whole GPU, keep those.
+PALLAS_MAX_KEYS = 16384
 
 
 def _wrap32(v: int) -> int:
@@ -198,7 +203,8 @@ def select_topk_fast(scores, k, *, counts=None, radix_bits=2, count_impl="sep", 
     Defaults from the H200 run 3 (BENCHMARKS.md): radix_bits=2 (16 count passes of 3
     thresholds) with sibling reductions beat 4 bits and the broadcast forms.
     threshold: the k-th largest key by XLA count passes ("xla") or by one Pallas kernel
-    that reads the scores once ("pallas", `kth_largest_key_pallas`; GPU or interpret)."""
+    that reads the scores once ("pallas", `kth_largest_key_pallas`; GPU or interpret;
+    rows of at most PALLAS_MAX_KEYS, XLA's passes beyond)."""
     *lead, s = scores.shape
     k = int(k)
     if not 1 <= k <= s:
@@ -210,8 +216,9 @@ def select_topk_fast(scores, k, *, counts=None, radix_bits=2, count_impl="sep", 
     if threshold not in ("xla", "pallas"):
         raise ValueError(f"threshold must be 'xla' or 'pallas', got {threshold!r}")
     key = sortable_keys(x)
-    if threshold == "pallas":
-        t = kth_largest_key_pallas(x, want, radix_bits=radix_bits, interpret=interpret)
+    if threshold == "pallas" and s <= PALLAS_MAX_KEYS:
+        t = kth_largest_key_pallas(x, want, radix_bits=radix_bits, interpret=interpret,
+                                   tile=max(8192, pow2_at_least(s)))
     else:
         t = kth_largest_key(key, want[:, None], radix_bits=radix_bits, count_impl=count_impl)
     t = t[:, None]

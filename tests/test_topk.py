@@ -119,3 +119,14 @@ def test_kth_largest_key_kernel_matches_the_count_passes(r, s, tile):
         np.asarray(select_topk_fast(x, kk, counts=jnp.minimum(k, kk), threshold="pallas",
                                     interpret=True)),
         np.asarray(select_topk_fast(x, kk, counts=jnp.minimum(k, kk))))
+
+
+def test_long_rows_keep_the_xla_threshold():
+    """Rows longer than one register-resident chunk take XLA's passes even when the
+    kernel is asked for (on the CPU a Pallas call without interpret mode would raise)."""
+    from pallas_kernels.topk import PALLAS_MAX_KEYS
+
+    x = jax.random.normal(jax.random.PRNGKey(3), (2, PALLAS_MAX_KEYS + 5))
+    _check_topk(x, select_topk_fast(x, 40, threshold="pallas"), 40)
+    with pytest.raises(ValueError, match="interpret"):
+        select_topk_fast(x[:, :100], 40, threshold="pallas")
