@@ -31,6 +31,9 @@ from vegas_jax import attention as attn_mod
 attn_mod.verify_attention = functools.partial(verify_attention, interpret=True)
 attn_mod.sparse_attention = functools.partial(sparse_attention, interpret=True)
 attn_mod.sparse_step = functools.partial(sparse_step, interpret=True)
+from pallas_kernels.topk import select_topk_fast
+from vegas_jax import selection as sel_mod
+sel_mod.select_topk_fast = functools.partial(select_topk_fast, interpret=True)
 
 cfg = dataclasses.replace(tiny_config(), num_heads=8, num_kv_heads=4)
 params = init_params(cfg, jax.random.PRNGKey(0), jnp.float32, scale=0.3)
