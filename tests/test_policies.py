@@ -1,4 +1,5 @@
-"""Issue 16's selection policies (`VerifyGuided(rows="accepted" | decay | pool)`): each
+"""Issue 16's selection policies (`VerifyGuided(rows="accepted" | decay | pool |
+entropy)`): each
 selection against a brute-force reference, and lossless decoding through each."""
 
 import jax
@@ -63,6 +64,38 @@ def test_pooled_budget_takes_the_largest_weights_over_all_layers():
         assert int(got.count[0, j]) > int(got.count[1, j])  # flat > peaked
 
 
+def test_entropy_split_follows_each_layers_perplexity():
+    """entropy a: layer l's count = floor(L * budget * perp_l ** a / sum over layers),
+    within [1, 2 x budget]; each layer's set is its own top `count`; a flat layer gets more
+    than a peaked one for a > 0, fewer for a < 0; never more entries than the paper's."""
+    L, b = 3, 2
+    key = jax.random.PRNGKey(5)
+    flat = jax.nn.softmax(0.1 * jax.random.normal(key, (b, MAX_LEN)))
+    peaked = jax.nn.softmax(8 * jax.random.normal(jax.random.fold_in(key, 1), (b, MAX_LEN)))
+    mid = jax.nn.softmax(2 * jax.random.normal(jax.random.fold_in(key, 2), (b, MAX_LEN)))
+    scores = jnp.stack([flat, peaked, mid])  # [L, b, s]
+    n = jnp.array([500, 1000])
+    per_layer = np.asarray(sel.budget(SPEC, n, MAX_LEN))
+    for a in (0.5, -0.5):
+        ent = sel.VerifyGuided("pair", entropy=a)
+        assert ent.name == "vegas-entropy"
+        got = ent.update(SPEC, None, scores, _Cache(), n, jnp.zeros_like(n), None)
+        sets = _sets(got)
+        for j in range(b):
+            ranked = np.asarray(scores[:, j, :int(n[j]) + 1], np.float64)
+            p = ranked / ranked.sum(-1, keepdims=True)
+            perp = np.exp(-(p * np.log(p)).sum(-1))  # [L]
+            share = perp ** a / (perp ** a).sum()
+            want = np.clip(np.floor(L * per_layer[j] * share), 1, np.ceil(2 * per_layer[j]))
+            np.testing.assert_array_equal(np.asarray(got.count[:, j]), want.astype(int))
+            for l in range(L):
+                assert sets[l][j] == _top(scores[l, j], n[j], int(got.count[l, j]))
+            assert int(got.count[:, j].sum()) <= L * int(per_layer[j])
+            assert (int(got.count[0, j]) > int(got.count[1, j])) == (a > 0)
+    with pytest.raises(ValueError, match="score='weight'"):
+        SpecConfig(method=sel.VerifyGuided("pair", entropy=0.5), score="logit")
+
+
 def test_decay_carries_the_scores_of_earlier_rounds():
     """decay d: the next selection ranks max(new, d * carried), over the ranked range only;
     the paper's selector (d = 0) ranks the new scores alone."""
@@ -112,7 +145,8 @@ def test_accepted_rows_average_only_the_kept_tokens():
 
 
 @pytest.mark.parametrize("kw", [dict(decay=1.0), dict(decay=-0.1), dict(pool=0.5),
-                                dict(pool=2.0, heads=True), dict(rows="accepted", heads=True)])
+                                dict(pool=2.0, heads=True), dict(rows="accepted", heads=True),
+                                dict(entropy=0.5, pool=2.0), dict(entropy=0.5, heads=True)])
 def test_bad_policy_settings(kw):
     with pytest.raises(ValueError):
         sel.VerifyGuided(**{"rows": "pair", **kw})
@@ -123,7 +157,8 @@ def tiny():
     return tiny_model(scale=0.3)
 
 
-@pytest.mark.parametrize("method", ["vegas-accepted", "vegas-decay", "vegas-pool"])
+@pytest.mark.parametrize("method", ["vegas-accepted", "vegas-decay", "vegas-pool",
+                                    "vegas-entropy"])
 def test_greedy_equals_vanilla(tiny, method):
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 100, size=n).tolist() for n in (37, 650)]

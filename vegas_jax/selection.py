@@ -113,6 +113,33 @@ def select_pooled(scores, r_end, spec, max_len: int, cap: float, xc=None):
     return idx.astype(jnp.int32), count
 
 
+def select_by_entropy(scores, r_end, spec, max_len: int, alpha: float, cap: float, xc=None):
+    """Per-layer budgets from each layer's attention entropy (issue 16): layer l of a
+    sequence gets a share of the L * budget entries proportional to perplexity_l ** alpha,
+    perplexity = exp(entropy) of its scores normalised over the ranked range (the number
+    of entries its attention is effectively spread over); at least one entry, at most `cap`
+    times the uniform budget. alpha > 0 gives diffuse layers more, alpha < 0 peaked ones.
+    Shares are floored: never more entries in total than `select_topk`.
+
+    scores [L, b, s] softmax weights; returns idx [L, b, K_cap] and count [L, b].
+    """
+    L, b, s = scores.shape
+    ranked = jnp.arange(s) <= r_end[None, :, None]
+    scores = jnp.where(ranked, scores, -jnp.inf)
+    per_layer = budget(spec, r_end, max_len)  # [b]
+    k_cap = min(math.ceil(cap * max_budget(spec, max_len)), max_len)
+    w = jnp.where(ranked, jnp.maximum(scores, 0.0), 0.0)
+    p = w / jnp.maximum(w.sum(-1, keepdims=True), 1e-30)
+    ent = -jnp.sum(jnp.where(p > 0, p * jnp.log(jnp.where(p > 0, p, 1.0)), 0.0), -1)  # [L, b]
+    share = jnp.exp(alpha * ent)  # perplexity ** alpha
+    share = share / share.sum(0, keepdims=True)
+    count = jnp.floor(L * per_layer[None, :] * share).astype(jnp.int32)
+    count = jnp.clip(count, 1, jnp.minimum(jnp.minimum(k_cap, jnp.ceil(cap * per_layer)),
+                                           r_end + 1).astype(jnp.int32)[None, :])
+    idx = select_topk_fast(scores, k_cap, counts=count, threshold=_threshold(xc))
+    return idx.astype(jnp.int32), count
+
+
 class Method:
     """Base of every decoding method. `speculative` is False for plain decoding."""
 
@@ -174,7 +201,10 @@ class VerifyGuided(Method):
     scores = max(this verify's, d * the carried ones), so an entry that mattered to a
     recent round's queries stays selectable (softmax weights only).
     pool: 0 gives every layer the same budget; c > 0 gives all layers of a sequence one
-    budget together (`select_pooled`), each layer at most c times its share."""
+    budget together (`select_pooled`), each layer at most c times its share.
+    entropy: 0 gives every layer the same budget; a > 0 (or < 0) splits the sequence's
+    L * budget entries by each layer's attention perplexity ** a (`select_by_entropy`, at
+    most 2x a layer's share; softmax weights only)."""
 
     rows: str = "pair"
     heads: bool = False
@@ -182,6 +212,7 @@ class VerifyGuided(Method):
     recent: int = 0
     decay: float = 0.0
     pool: float = 0.0
+    entropy: float = 0.0
     NAMES: ClassVar[dict] = {"pair": "vegas", "all": "vegas-all", "last": "last",
                              "accepted": "vegas-accepted"}
 
@@ -196,16 +227,21 @@ class VerifyGuided(Method):
             raise ValueError(f"decay must be in [0, 1), got {self.decay}")
         if self.pool < 0 or (self.pool and (self.pool < 1.0 or self.heads)):
             raise ValueError(f"pool must be 0 (off) or >= 1 without heads, got {self.pool}")
+        if self.entropy and (self.heads or self.pool):
+            raise ValueError("entropy splits one budget a layer: not with heads or pool")
 
     @property
     def name(self) -> str:  # type: ignore[override]
         window = "-window" if self.sink or self.recent else ""
         return (self.NAMES[self.rows] + ("-heads" if self.heads else "") + window
-                + ("-decay" if self.decay else "") + ("-pool" if self.pool else ""))
+                + ("-decay" if self.decay else "") + ("-pool" if self.pool else "")
+                + ("-entropy" if self.entropy else ""))
 
     def check(self, spec):
         if self.decay and spec.score != "weight":
             raise ValueError("decay carries softmax weights over rounds: needs score='weight'")
+        if self.entropy and spec.score != "weight":
+            raise ValueError("entropy is of softmax weights: needs score='weight'")
 
     def _guaranteed(self, scores, r_end):
         """scores [L, b, (r | k,) s] with the sink and the recent window of the ranked range
@@ -230,6 +266,8 @@ class VerifyGuided(Method):
         scores = self._guaranteed(scores, r_end)
         if self.pool:
             return select_pooled(scores, r_end, spec, max_len, self.pool, xc)
+        if self.entropy:
+            return select_by_entropy(scores, r_end, spec, max_len, self.entropy, 2.0, xc)
         return select_topk(scores, r_end, spec, max_len, xc)
 
     def _carry(self, scores, old, r_end):
@@ -456,6 +494,7 @@ METHODS: dict[str, Method] = {
     "vegas-accepted": VerifyGuided("accepted"),
     "vegas-decay": VerifyGuided("pair", decay=0.5),
     "vegas-pool": VerifyGuided("pair", pool=2.0),
+    "vegas-entropy": VerifyGuided("pair", entropy=0.5),
     "last": VerifyGuided("last"),
     "stream": Stream(),
     "quest": Quest(),
