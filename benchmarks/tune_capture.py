@@ -13,15 +13,14 @@ at gamma 6; "0,1,2,3,4,5,6" with --capture rows are `last`'s."""
 from __future__ import annotations
 
 import argparse
-import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from pallas_kernels.verify_attention import (
     CaptureBlocks, _capture_weights, capture_scores, capture_scores_reference,
 )
+from vegas_jax.bench import _time
 
 CANDIDATES = [
     ("default", CaptureBlocks()),
@@ -84,12 +83,7 @@ def main():
             continue
         err = max(float(jnp.max(jnp.abs(o - e)) / (jnp.max(jnp.abs(e)) + 1e-30))
                   for o, e in zip(out, ref))
-        ts = []
-        for _ in range(10):
-            t = time.perf_counter()
-            jax.block_until_ready(run(cbufs, lse, rowpos))
-            ts.append(time.perf_counter() - t)
-        us = float(np.median(ts)) / a.layers * 1e6
+        us = _time(lambda: run(cbufs, lse, rowpos), 10) / a.layers * 1e6
         rows_out.append((name, us, read / us / 1e3, err))
         print(f"{name:16s} {us:8.1f} us a call  {read / us / 1e3:7.1f} GB/s  rel err {err:.1e}")
     return rows_out

@@ -12,7 +12,6 @@ threshold alone and for the whole selection, at the sparsity's budget per row.""
 from __future__ import annotations
 
 import argparse
-import time
 
 import jax
 import jax.numpy as jnp
@@ -21,16 +20,12 @@ import numpy as np
 from pallas_kernels.topk import (
     kth_largest_key, kth_largest_key_pallas, select_topk_fast, sortable_keys,
 )
+from vegas_jax.bench import _time
 
 
 def timed(fn, *args, reps=20):
-    jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts.append(time.perf_counter() - t)
-    return float(np.median(ts)) * 1e6
+    """Median microseconds a call, after one warm-up call."""
+    return _time(lambda: fn(*args), reps) * 1e6
 
 
 def main(argv=None):

@@ -14,11 +14,6 @@ from tests.tiny import tiny_config
 PALLAS = ExecConfig(attn="pallas", gemm="triton", layers="scan", draft="fused")
 
 
-@pytest.fixture
-def interpret(pallas_interpret):
-    return pallas_interpret
-
-
 def _cache(L=2, b=3, kh=2, s=96, d=16, seed=0):
     ks = jax.random.split(jax.random.PRNGKey(seed), 2)
     return (jax.random.normal(ks[0], (L, b, kh, s, d)),
@@ -36,7 +31,7 @@ def _split_rows(full, skipped):
     np.testing.assert_array_equal(skipped[1], 0.0)
 
 
-def test_verify_rows_of_finished_sequences_read_nothing(interpret):
+def test_verify_rows_of_finished_sequences_read_nothing(pallas_interpret):
     kc, vc = _cache()
     b, t, kh, g, d = 3, 4, 2, 2, 16
     q = jax.random.normal(jax.random.PRNGKey(5), (b, t, kh, g, d))
@@ -53,7 +48,7 @@ def test_verify_rows_of_finished_sequences_read_nothing(interpret):
 
 
 @pytest.mark.parametrize("fused", [False, True])
-def test_sparse_drafts_of_finished_sequences_read_nothing(interpret, fused):
+def test_sparse_drafts_of_finished_sequences_read_nothing(pallas_interpret, fused):
     cfg = tiny_config(layers=2)
     kh, g, d = cfg.num_kv_heads, cfg.group_size, cfg.head_dim
     kc, vc = _cache(b=3, kh=kh, d=d)

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 from jax import lax
+from jax.scipy.special import entr
 
 from pallas_kernels.topk import kth_largest_key, select_topk_fast, sortable_keys
 from vegas_jax.attention import AttnPlan, Capture
@@ -84,6 +85,15 @@ def select_topk(scores, r_end, spec, max_len: int, xc=None):
     return idx.astype(jnp.int32), count
 
 
+def _split_budget(scores, r_end, spec, max_len: int, cap: float):
+    """What a per-layer budget split starts from: scores [L, b, s] with -inf past the
+    ranked range 0..r_end [b], the uniform per-layer budget [b], and the index lists'
+    padded size for a layer allowed `cap` times its share."""
+    ranked = jnp.arange(scores.shape[-1]) <= r_end[None, :, None]
+    k_cap = min(math.ceil(cap * max_budget(spec, max_len)), max_len)
+    return jnp.where(ranked, scores, -jnp.inf), budget(spec, r_end, max_len), k_cap
+
+
 def select_pooled(scores, r_end, spec, max_len: int, cap: float, xc=None):
     """One budget for all layers of a sequence (issue 16): the L * budget entries with the
     largest scores over every layer together, each layer keeping at most `cap` times the
@@ -95,10 +105,7 @@ def select_pooled(scores, r_end, spec, max_len: int, cap: float, xc=None):
     scores [L, b, s]; returns idx [L, b, K_cap] and count [L, b] as `select_topk`.
     """
     L, b, s = scores.shape
-    ranked = jnp.arange(s) <= r_end[None, :, None]
-    scores = jnp.where(ranked, scores, -jnp.inf)
-    per_layer = budget(spec, r_end, max_len)  # [b]
-    k_cap = min(math.ceil(cap * max_budget(spec, max_len)), max_len)
+    scores, per_layer, k_cap = _split_budget(scores, r_end, spec, max_len, cap)
     key = sortable_keys(scores.transpose(1, 0, 2).reshape(b, L * s))  # [b, L * s]
     t = kth_largest_key(key, (L * per_layer)[:, None])  # [b]
     key = key.reshape(b, L, s)
@@ -123,14 +130,11 @@ def select_by_entropy(scores, r_end, spec, max_len: int, alpha: float, cap: floa
 
     scores [L, b, s] softmax weights; returns idx [L, b, K_cap] and count [L, b].
     """
-    L, b, s = scores.shape
-    ranked = jnp.arange(s) <= r_end[None, :, None]
-    scores = jnp.where(ranked, scores, -jnp.inf)
-    per_layer = budget(spec, r_end, max_len)  # [b]
-    k_cap = min(math.ceil(cap * max_budget(spec, max_len)), max_len)
-    w = jnp.where(ranked, jnp.maximum(scores, 0.0), 0.0)
+    L = scores.shape[0]
+    scores, per_layer, k_cap = _split_budget(scores, r_end, spec, max_len, cap)
+    w = jnp.maximum(scores, 0.0)  # 0 past the ranked range
     p = w / jnp.maximum(w.sum(-1, keepdims=True), 1e-30)
-    ent = -jnp.sum(jnp.where(p > 0, p * jnp.log(jnp.where(p > 0, p, 1.0)), 0.0), -1)  # [L, b]
+    ent = entr(p).sum(-1)  # [L, b], -sum p log p (0 log 0 = 0)
     share = jnp.exp(alpha * ent)  # perplexity ** alpha
     share = share / share.sum(0, keepdims=True)
     count = jnp.floor(L * per_layer[None, :] * share).astype(jnp.int32)
