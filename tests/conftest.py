@@ -97,12 +97,10 @@ def pallas_interpret(monkeypatch):
     """Every Pallas kernel the model's Pallas path calls, in interpret mode (CPU)."""
     import functools
 
-    from pallas_kernels.rows_matmul import rows_matmul
     from pallas_kernels.sparse_attention import sparse_attention, sparse_step
     from pallas_kernels.topk import select_topk_fast
     from pallas_kernels.verify_attention import verify_attention
     from vegas_jax import attention as attn_mod
-    from vegas_jax import model as model_mod
     from vegas_jax import selection as sel_mod
 
     monkeypatch.setattr(attn_mod, "verify_attention",
@@ -112,7 +110,6 @@ def pallas_interpret(monkeypatch):
     monkeypatch.setattr(attn_mod, "sparse_step", functools.partial(sparse_step, interpret=True))
     monkeypatch.setattr(sel_mod, "select_topk_fast",
                         functools.partial(select_topk_fast, interpret=True))
-    monkeypatch.setattr(model_mod, "rows_matmul", functools.partial(rows_matmul, interpret=True))
 
 
 @pytest.fixture(scope="session")

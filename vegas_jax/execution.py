@@ -17,7 +17,6 @@ GEMM = ("auto", "triton", "cublas")
 LAYERS = ("auto", "scan", "unrolled")
 DRAFT = ("auto", "fused", "split")
 SELECT = ("auto", "pallas", "xla")
-DRAFT_MM = ("auto", "pallas", "xla")
 
 # GPU defaults, from kernel profiles and host timings (BENCHMARKS.md, "What changed",
 # "Weight reads" and "Host dispatch"): decode-shaped matmuls read large weights several
@@ -41,15 +40,10 @@ class ExecConfig:
       XLA ops around the sparse-attention kernel; no effect on the XLA path.
     select: the selection's top-k threshold: one "pallas" kernel that reads the scores
       once, or XLA count passes ("xla", one read of the scores a pass).
-    draft_mm: a fused sparse draft step's projections: "pallas" row-matmul kernels with
-      the RMS norm, SwiGLU and residual add fused in (`pallas_kernels.rows_matmul`; dense
-      models, one device, per-layer weight buffers, folded norms), or XLA's GEMMs. Drafts
-      only: the verify and plain decoding keep XLA's matmuls.
     tp: tensor-parallel degree: the model split across this many devices (`sharding`).
     "auto" resolves by backend: on the GPU cuBLAS and unrolled layers; elsewhere the XLA
     path and a scan; fused drafts wherever the Pallas kernels run; the selection's kernel
-    where the attention's are; the draft's row matmuls where the attention's kernels run
-    over per-layer weight buffers."""
+    where the attention's are."""
 
     attn: str = "auto"
     gemm: str = "auto"
@@ -57,12 +51,10 @@ class ExecConfig:
     draft: str = "auto"
     select: str = "auto"
     tp: int = 1
-    draft_mm: str = "auto"
 
     def __post_init__(self):
         for name, allowed in (("attn", ATTN), ("gemm", GEMM), ("layers", LAYERS),
-                              ("draft", DRAFT), ("select", SELECT),
-                              ("draft_mm", DRAFT_MM)):
+                              ("draft", DRAFT), ("select", SELECT)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if int(self.tp) != self.tp or self.tp < 1:
@@ -72,22 +64,18 @@ class ExecConfig:
         """Concrete choices on `backend` (default: JAX's)."""
         gpu = (backend or jax.default_backend()) == "gpu"
         attn = self.attn if self.attn != "auto" else ("pallas" if gpu else "xla")
-        layers = self.layers if self.layers != "auto" else ("unrolled" if gpu else "scan")
-        rows = "pallas" if attn == "pallas" and layers == "unrolled" and self.tp == 1 else "xla"
         return ExecConfig(
             attn=attn,
             gemm=self.gemm if self.gemm != "auto" else ("cublas" if gpu else "triton"),
-            layers=layers,
+            layers=self.layers if self.layers != "auto" else ("unrolled" if gpu else "scan"),
             draft=self.draft if self.draft != "auto" else "fused",
             select=self.select if self.select != "auto" else attn,
             tp=self.tp,
-            draft_mm=self.draft_mm if self.draft_mm != "auto" else rows,
         )
 
     @property
     def resolved(self) -> bool:
-        return "auto" not in (self.attn, self.gemm, self.layers, self.draft, self.select,
-                              self.draft_mm)
+        return "auto" not in (self.attn, self.gemm, self.layers, self.draft, self.select)
 
     def compiler_options(self) -> dict:
         """XLA options of every jitted model function: on the GPU, cuBLAS reading a layer
@@ -145,13 +133,9 @@ def add_exec_args(p) -> None:
     p.add_argument("--select-impl", default="auto", choices=SELECT,
                    help="the selection's top-k threshold: one Pallas kernel reading the "
                    "scores once, or XLA count passes; auto: pallas where the attention is")
-    p.add_argument("--draft-mm", default="auto", choices=DRAFT_MM,
-                   help="a sparse draft step's projections: Pallas row-matmul kernels with "
-                   "the RMS norm, SwiGLU and residual fused in, or XLA's GEMMs; auto: pallas "
-                   "where the attention's kernels run over unrolled layers on one device")
 
 
 def exec_from_args(args) -> ExecConfig:
     return ExecConfig(attn=args.attn_impl or "auto", gemm=args.gemm, layers=args.layers,
                       draft=args.draft_attn, select=getattr(args, "select_impl", "auto"),
-                      tp=args.tp, draft_mm=getattr(args, "draft_mm", "auto"))
+                      tp=args.tp)

@@ -23,8 +23,6 @@ import numpy as np
 from flax import struct
 from jax import lax
 
-from pallas_kernels.rows_matmul import rows_matmul
-from pallas_kernels.rows_matmul import supported as rows_supported
 from pallas_kernels.sparse_attention import rope_halves
 from vegas_jax.attention import AttnPlan, attention, fused_draft, sparse_block
 from vegas_jax.cache import KVCache, write_kv
@@ -123,22 +121,15 @@ def _layer(cfg: ModelConfig, xc: ExecConfig, write: bool, plan: AttnPlan, cos, s
     k_heads, g, d = cfg.num_kv_heads, cfg.group_size, cfg.head_dim
     x, k_cache, v_cache = carry  # x [b, t, h]
     b, t, _ = x.shape
-    fused = write and fused_draft(plan, xc)
-    rows = fused and draft_rows(cfg, xc, lp)
-    if rows:  # the norm inside the projection's kernel
-        qkv = rows_matmul(x.reshape(b * t, -1), lp.w_qkv, norm=True,
-                          eps=cfg.rms_norm_eps).reshape(b, t, -1)
-    else:
-        h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
-        qkv = mm("bth,hn->btn", h, lp.w_qkv)  # [b, t, (n + 2k)*d]
-    if fused:  # the attention block in one kernel
+    h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
+    qkv = mm("bth,hn->btn", h, lp.w_qkv)  # [b, t, (n + 2k)*d]
+    if write and fused_draft(plan, xc):  # the attention block in one kernel
         # the Q/K norm weights of models without QK-norm: a literal, never read
         ones = np.ones((d,), np.float32)
         qn, kn = (lp.q_norm, lp.k_norm) if cfg.qk_norm else (ones, ones)
         o, k_cache, v_cache = sparse_block(plan, xc, cfg, qkv, qn, kn, rope, k_cache,
                                            v_cache, li, positions)
-        out = _mlp_rows(cfg, x, o, lp) if rows else _mlp(cfg, xc, x, o, lp)
-        return out, k_cache, v_cache, None
+        return _mlp(cfg, xc, x, o, lp), k_cache, v_cache, None
     # columns per shard: [q_i | k_i | v_i] for each of the tp shards (`sharding`)
     per = qkv.reshape(b, t, xc.tp, -1)  # [b, t, tp, (n + 2k)*d / tp]
     nq, nk = k_heads * g * d // xc.tp, k_heads * d // xc.tp
@@ -169,29 +160,6 @@ def _mlp(cfg: ModelConfig, xc: ExecConfig, x, o, lp: LayerParams):
     gate = gate_up[..., :f].reshape(b, t, -1)  # [b, t, f]
     up = gate_up[..., f:].reshape(b, t, -1)
     return x + mm("btf,fh->bth", jax.nn.silu(gate) * up, lp.w_down)
-
-
-def draft_rows(cfg: ModelConfig, xc: ExecConfig, lp: LayerParams) -> bool:
-    """Whether a fused draft layer's projections run as `rows_matmul` kernels: asked for
-    (`ExecConfig.draft_mm`), a dense model on one device, norms folded into the weights
-    (`fold_norms`, as loading does), per-layer weight buffers (a stacked layer's slice
-    would be copied for the kernel every layer) and sizes the kernel takes."""
-    if (xc.draft_mm != "pallas" or xc.layers != "unrolled" or cfg.is_moe or xc.tp != 1
-            or lp.attn_norm is not None or lp.mlp_norm is not None):
-        return False
-    h = cfg.hidden_size
-    return (rows_supported(1, h, lp.w_qkv.shape[1]) and rows_supported(1, lp.wo.shape[0], h)
-            and rows_supported(1, h, lp.w_gate_up.shape[1], swiglu=True)
-            and rows_supported(1, lp.w_down.shape[0], h))
-
-
-def _mlp_rows(cfg: ModelConfig, x, o, lp: LayerParams):
-    """`_mlp` as three row-matmul kernels (a draft step's few rows): output projection +
-    residual, norm + gate/up + SwiGLU, down projection + residual."""
-    b, t, hd = x.shape
-    x = rows_matmul(o.reshape(b * t, -1).astype(x.dtype), lp.wo, x.reshape(b * t, hd))
-    act = rows_matmul(x, lp.w_gate_up, norm=True, swiglu=True, eps=cfg.rms_norm_eps)
-    return rows_matmul(act, lp.w_down, x).reshape(b, t, hd)
 
 
 def _moe(cfg: ModelConfig, h, lp: LayerParams):
