@@ -21,19 +21,18 @@ from pallas_kernels.sparse_attention import (
 
 SPLIT = 10**9
 CANDIDATES = [
-    ("split t528 bk64", StepBlocks(whole_from=SPLIT)),
-    ("split t1056 bk64", StepBlocks(SparseBlocks(target_programs=1056), whole_from=SPLIT)),
-    ("split t528 bk32", StepBlocks(SparseBlocks(block_k=32), whole_from=SPLIT)),
-    ("whole bk64 w4", StepBlocks(whole=SparseBlocks(), whole_from=1)),
     ("whole bk128 w4 s3", StepBlocks(whole_from=1)),
-    ("whole bk128 w4 s2", StepBlocks(whole=SparseBlocks(block_k=128), whole_from=1)),
-    ("whole bk128 w8 s3", StepBlocks(whole=SparseBlocks(block_k=128, num_warps=8,
-                                                        num_stages=3), whole_from=1)),
-    ("whole bk256 w8 s2", StepBlocks(whole=SparseBlocks(block_k=256, num_warps=8),
-                                     whole_from=1)),
-    ("whole bk256 w4 s2", StepBlocks(whole=SparseBlocks(block_k=256), whole_from=1)),
-    ("whole bk128 w2 s3", StepBlocks(whole=SparseBlocks(block_k=128, num_warps=2,
-                                                        num_stages=3), whole_from=1)),
+    ("split t528 bk64 xla", StepBlocks(whole_from=SPLIT, combine="xla")),
+    ("last t528 bk64", StepBlocks(whole_from=SPLIT)),
+    ("last t1056 bk64", StepBlocks(SparseBlocks(target_programs=1056), whole_from=SPLIT)),
+    ("last t1056 bk32", StepBlocks(SparseBlocks(block_k=32, target_programs=1056),
+                                   whole_from=SPLIT)),
+    ("last t2112 bk32", StepBlocks(SparseBlocks(block_k=32, target_programs=2112),
+                                   whole_from=SPLIT)),
+    ("last t528 bk128 s3", StepBlocks(SparseBlocks(block_k=128, num_stages=3),
+                                      whole_from=SPLIT)),
+    ("last t1056 bk64 w2", StepBlocks(SparseBlocks(num_warps=2, target_programs=1056),
+                                      whole_from=SPLIT)),
 ]
 
 
@@ -74,10 +73,25 @@ def main():
         return jax.jit(run, donate_argnums=(1, 2))
 
     print(f"B {b}, context {a.context}, {K - 8} selected + tail {a.tail}, {L} layers")
+    # one layer's call against the reference, and 20 repeats bit for bit (programs merged
+    # in the kernel must never read a partial before it is written)
+    def one_args(kc, vc):
+        return (qkv, norms[0], norms[1], rope, kc, vc, jnp.int32(L - 1), idx, count,
+                tail_start, q_pos)
+
+    one_kw = dict(tail_len=a.tail, num_heads=kh * g, idx_layer=jnp.int32(L - 1))
+    ref = jax.jit(lambda *x: sparse_step_reference(*x, **one_kw)[0])(*one_args(kc, vc))
     rows = [("reference (XLA)", sparse_step_reference, None)]
     rows += [(n, sparse_step, bl) for n, bl in CANDIDATES]
     for name, fn, bl in rows:
         f = fn if bl is None else (lambda *x, bl=bl, **k: sparse_step(*x, **k, blocks=bl))
+        if bl is not None:
+            one = jax.jit(lambda *x, f=f: f(*x, **one_kw)[0])
+            outs = [one(*one_args(kc, vc)) for _ in range(20)]
+            err = float(jnp.max(jnp.abs(outs[0].astype(jnp.float32) - ref.astype(jnp.float32))))
+            same = all(bool(jnp.array_equal(o, outs[0])) for o in outs)
+            print(f"{name:20s} check: max |err| vs reference {err:.3e}, 20 calls equal: {same}"
+                  f"{'' if err < 5e-2 and same else '  FAIL'}")
         run = chain(f)
         x, kc, vc = run(qkv, kc, vc)
         jax.block_until_ready(kc)
