@@ -17,7 +17,7 @@ import time
 
 import jax.numpy as jnp
 
-METHODS = ("vegas", "vegas-all", "last", "stream", "quest")
+METHODS = ("vegas", "vegas-paper", "vegas-all", "last", "stream", "quest")
 
 
 def first_difference(a, b):

@@ -32,7 +32,7 @@ import time
 import numpy as np
 
 KINDS = ("prose", "code", "chat-prose", "chat-code")
-DEFAULT_METHODS = ("vegas", "vegas-window", "vegas-accepted", "vegas-decay", "vegas-pool",
+DEFAULT_METHODS = ("vegas", "vegas-window", "vegas-accepted", "vegas-paper", "vegas-pool",
                    "vegas-heads", "last", "stream", "quest")
 
 

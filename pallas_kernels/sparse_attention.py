@@ -101,15 +101,11 @@ class SparseBlocks:
 class StepBlocks:
     """Tuning knobs of `sparse_step`: from `whole_from` (sequence, KV head) pairs on, one
     program per pair walks its whole list and tail and normalises in the kernel (`whole`
-    blocks; no combine pass); below it the entries are split across programs (`split`).
-    combine: how split programs are merged: "last" in the kernel, by whichever program of a
-    pair finishes last (an atomic count per pair; no launch after the kernel), or "xla"
-    (partial outputs combined by XLA ops after it)."""
+    blocks; no combine pass); below it the entries are split across programs (`split`)."""
 
     split: SparseBlocks = SparseBlocks()
     whole: SparseBlocks = SparseBlocks(block_k=128, num_stages=3)
     whole_from: int = 128
-    combine: str = "last"
     # head dims above 64: the split path's tiles, the ones measured at Qwen3-8B shapes (the
     # 128-row, 3-stage tiles were measured at head dim 64 only)
     whole_wide: SparseBlocks = SparseBlocks()
@@ -334,22 +330,20 @@ def _rope(x1, x2, cos, sin):
     return (f1 * cos - f2 * sin).astype(dt), (f2 * cos + f1 * sin).astype(dt)
 
 
-def _step_kernel(layer_ref, il, qkv_ref, *refs, per_head, g, kh, qk_norm, eps, mode, n_prog,
-                 interpret, **kw):
+def _step_kernel(layer_ref, il, qkv_ref, *refs, per_head, g, kh, qk_norm, eps, normalize,
+                 hidden, **kw):
     # layer_ref [1]; il the index layer; qkv_ref [b, n + 2k, d] (raw projection: q heads |
-    # k heads | v heads); qn_ref, kn_ref [d] (q, k norm weights; absent without qk_norm);
+    # k heads | v heads); x_ref [b, hidden] (the layer's input, when `hidden`: qkv is then
+    # its projection before the RMS norm's row scale, applied here);
+    # qn_ref, kn_ref [d] (q, k norm weights; absent without qk_norm);
     # rope_ref [b, 2, d/2] (cos, sin of the query's
     # position); idx_ref, cnt_ref, ts_ref, qp_ref as in `_sparse_kernel`;
-    # k_ref, v_ref [L, b, k, s, d] (read); with mode "last" also sem_ref [b, k] int32 (zeros,
-    # aliased to an output). outs: mode "whole": o_ref [b, n, d]; "xla": o_ref [rows, d],
-    # m_ref, l_ref [rows] (this program's partial); "last": o_ref [b, n, d], the partials
-    # op_ref [b, k, J, rows, d], mp_ref, lp_ref [b, k, J, rows] and the count semo_ref
-    # [b, k]; then ko_ref, vo_ref (= k_ref, v_ref, aliased)
+    # k_ref, v_ref [L, b, k, s, d] (read); outs: o_ref [b, n, d] when normalize, else
+    # o_ref [rows, d], m_ref, l_ref [rows]; then ko_ref, vo_ref (= k_ref, v_ref, aliased)
+    x_ref, refs = (refs[0], refs[1:]) if hidden else (None, refs)
     qn_ref, kn_ref = refs[:2] if qk_norm else (None, None)
     rope_ref, idx_ref, cnt_ref, ts_ref, qp_ref, k_ref, v_ref, *outs = refs[2 * qk_norm:]
-    if mode == "last":
-        _, o_ref, op_ref, mp_ref, lp_ref, semo_ref, ko_ref, vo_ref = outs  # outs[0]: sem_ref
-    elif mode == "whole":
+    if normalize:
         o_ref, ko_ref, vo_ref = outs
     else:
         o_ref, m_ref, l_ref, ko_ref, vo_ref = outs
@@ -369,6 +363,13 @@ def _step_kernel(layer_ref, il, qkv_ref, *refs, per_head, g, kh, qk_norm, eps, m
     q = [qkv_ref[bi, rid, lo], qkv_ref[bi, rid, up]]  # gather [rows, d/2] x 2
     k = [qkv_ref[bi, pl.ds(kh * g + h, 1), lo], qkv_ref[bi, pl.ds(kh * g + h, 1), up]]
     v = qkv_ref[bi, pl.ds(kh * g + kh + h, 1), :]  # [1, d]
+    if hidden:  # the input norm's scale of this sequence's row: (r x) @ W = r (x @ W)
+        hp = pow2_at_least(hidden)
+        xr = pltr.load(x_ref.at[bi, pl.ds(0, hp)], mask=jnp.arange(hp) < hidden,
+                       other=0).astype(jnp.float32)  # [hp]
+        r = lax.rsqrt(jnp.sum(xr * xr) / hidden + eps)
+        q, k = ([(a.astype(jnp.float32) * r).astype(a.dtype) for a in part] for part in (q, k))
+        v = (v.astype(jnp.float32) * r).astype(v.dtype)
     if qk_norm:
         q, k = _rms(q, qn_ref, eps, d), _rms(k, kn_ref, eps, d)
     q = _rope(*q, cos, sin)
@@ -382,7 +383,7 @@ def _step_kernel(layer_ref, il, qkv_ref, *refs, per_head, g, kh, qk_norm, eps, m
 
     o, m, l, hits = _chunk_attention(((q[0], lo), (q[1], up)), k_ref, v_ref, idx_ref, cnt_ref,
                                      ts_ref, layer, il, bi, h, hi, j, qpos,
-                                     skip_qpos=True, one_program=mode == "whole", **kw)
+                                     skip_qpos=True, one_program=normalize, **kw)
     # the new token's own entry, as often as this chunk listed its position
     s_new = sum(jnp.sum(qp.astype(jnp.float32) * kp.astype(jnp.float32), axis=-1)
                 for qp, kp in zip(q, k)) * kw["scale"]  # [rows]
@@ -392,49 +393,13 @@ def _step_kernel(layer_ref, il, qkv_ref, *refs, per_head, g, kh, qk_norm, eps, m
     p = jnp.where(seen, jnp.exp(s_new - m_new) * hits.astype(jnp.float32), 0.0)
     l = l * corr + p
     o = o * corr[:, None] + p[:, None] * v.astype(jnp.float32)
-    if mode == "whole":
+    if normalize:
         o = o / jnp.where(l == 0.0, 1.0, l)[:, None]
         o_ref[bi, rid, :] = o.astype(o_ref.dtype)
-    elif mode == "xla":
+    else:
         o_ref[...] = o
         m_ref[...] = m_new
         l_ref[...] = l
-    else:
-        _combine_last(o, m_new, l, op_ref, mp_ref, lp_ref, semo_ref, o_ref, bi, h, j, rid,
-                      n_prog, interpret)
-
-
-def _combine_last(o, m, l, op_ref, mp_ref, lp_ref, sem_ref, o_ref, bi, h, j, rid, n_prog,
-                  interpret):
-    """Store this program's partial (o [rows, d], m, l [rows]); the program of the pair
-    (bi, h) that counts last merges all n_prog partials, normalises and writes the output
-    rows. The count (zeros made for each call) is an acquire-release atomic at GPU
-    scope, after a barrier of the program's threads: every partial it counts is visible to
-    the program that reads them; the merge loads them volatile (not from L1: they are other
-    programs' writes). (Interpret mode runs the programs one after another: no barrier.)"""
-    op_ref[bi, h, j, :, :] = o
-    mp_ref[bi, h, j, :] = m
-    lp_ref[bi, h, j, :] = l
-    if not interpret:
-        pltr.debug_barrier()
-    done = pltr.atomic_add(sem_ref, (bi, h), jnp.int32(1))  # counts before this one
-
-    @pl.when(done == n_prog - 1)
-    def _merge():
-        def part(jj):
-            return (pltr.load(op_ref.at[bi, h, jj, :, :], volatile=True),
-                    pltr.load(mp_ref.at[bi, h, jj, :], volatile=True),
-                    pltr.load(lp_ref.at[bi, h, jj, :], volatile=True))
-
-        def merge(jj, carry):
-            acc, mx, den = carry
-            oj, mj, lj = part(jj)
-            m_new = jnp.maximum(mx, mj)
-            a, c = jnp.exp(mx - m_new), jnp.exp(mj - m_new)
-            return acc * a[:, None] + oj * c[:, None], m_new, den * a + lj * c
-
-        acc, _, den = lax.fori_loop(1, n_prog, merge, part(jnp.int32(0)))
-        o_ref[bi, rid, :] = (acc / jnp.where(den == 0.0, 1.0, den)[:, None]).astype(o_ref.dtype)
 
 
 def rope_halves(cos, sin):
@@ -451,11 +416,14 @@ def scalar(x):
 
 def sparse_step(qkv, q_norm, k_norm, rope, k_cache, v_cache, layer, idx, count, tail_start,
                 q_pos, *, tail_len, num_heads, qk_norm=False, eps=1e-6, idx_layer=None,
-                interpret=False, blocks: StepBlocks | None = None):
+                x=None, interpret=False, blocks: StepBlocks | None = None):
     """One draft token's attention block for one layer, in one Pallas (Triton) call:
     `sparse_step_reference`'s semantics.
 
-    qkv [b, 1, (n + 2k) * d]: the layer's raw Q/K/V projection; q_norm, k_norm [d]: the Q
+    qkv [b, 1, (n + 2k) * d]: the layer's raw Q/K/V projection; x [b, h] or None: the
+    layer's input, when qkv is its projection before the input RMS norm (whose weight is
+    folded into the projection): the kernel scales each sequence's q, k, v by the norm's
+    rsqrt(mean(x**2) + eps), one kernel launch a layer fewer; q_norm, k_norm [d]: the Q
     and K RMS-norm weights (read when qk_norm); rope [b, 2, d/2]: `rope_halves` of the
     RoPE tables at q_pos; caches [L, b, k, s, d], written at q_pos (layer `layer`) and
     returned; the rest as in `sparse_attention`. Every input but qkv and the norms is the
@@ -469,39 +437,23 @@ def sparse_step(qkv, q_norm, k_norm, rope, k_cache, v_cache, layer, idx, count, 
     idx4, cnt3, idx_layer, per_head = _index_inputs(b, idx, count, idx_layer)
     n_idx = idx4.shape[-1]
     blocks = blocks or STEP_BLOCKS
-    if blocks.combine not in ("last", "xla"):
-        raise ValueError(f"combine must be 'last' or 'xla', got {blocks.combine!r}")
-    whole_pair = b * kh >= blocks.whole_from
-    mode = "whole" if whole_pair else blocks.combine
-    blocks = (blocks.split if not whole_pair else blocks.whole if d <= 64 else blocks.whole_wide)
-    bk, chunk, n_sel, n_prog = _chunking(b, kh, n_idx, tail_len, blocks, split=not whole_pair)
-    if mode == "last" and n_prog == 1:  # one program a pair: it finishes alone
-        mode = "whole"
+    normalize = b * kh >= blocks.whole_from
+    blocks = (blocks.split if not normalize else blocks.whole if d <= 64 else blocks.whole_wide)
+    bk, chunk, n_sel, n_prog = _chunking(b, kh, n_idx, tail_len, blocks, split=not normalize)
     rows = pow2_at_least(g)
     half = d // 2
     kernel, scalars = _layer_inputs(functools.partial(
         _step_kernel, block_k=bk, chunk=chunk, n_sel=n_sel, n_idx=n_idx, tail_len=tail_len,
         s_len=s, scale=d**-0.5, per_head=per_head, g=g, kh=kh, qk_norm=qk_norm, eps=eps,
-        mode=mode, n_prog=n_prog, interpret=bool(interpret)), layer, idx_layer)
+        normalize=normalize, hidden=0 if x is None else x.shape[-1]), layer, idx_layer)
     norms = [q_norm.astype(qkv.dtype), k_norm.astype(qkv.dtype)] if qk_norm else []
-    n_in = len(scalars) + 1 + len(norms) + 5  # index of k_cache: the caches come last
+    xs = [] if x is None else [x]
+    n_in = len(scalars) + 1 + len(xs) + len(norms) + 5  # index of k_cache: the caches come last
     cache_shape = jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype)
-    extra_in, extra_specs, aliases = [], [], {}
-    if mode == "whole":
+    if normalize:
         out_specs = [whole((b, num_heads, d)), whole(k_cache.shape), whole(v_cache.shape)]
         out_shape = [jax.ShapeDtypeStruct((b, num_heads, d), qkv.dtype), cache_shape,
                      cache_shape]
-    elif mode == "last":
-        # the per-pair count of finished programs, zeros for every call
-        extra_in, extra_specs = [jnp.zeros((b, kh), jnp.int32)], [whole((b, kh))]
-        aliases = {n_in + 2: 4}
-        part = (b, kh, n_prog, rows)
-        out_shape = [jax.ShapeDtypeStruct((b, num_heads, d), qkv.dtype),
-                     jax.ShapeDtypeStruct((*part, d), jnp.float32),  # [b, k, J, rows, d]
-                     jax.ShapeDtypeStruct(part, jnp.float32),
-                     jax.ShapeDtypeStruct(part, jnp.float32),
-                     jax.ShapeDtypeStruct((b, kh), jnp.int32), cache_shape, cache_shape]
-        out_specs = [whole(o.shape) for o in out_shape]
     else:
         spec_o = pl.BlockSpec((None, None, None, rows, d), lambda bi, h, c: (bi, h, c, 0, 0))
         spec_v = pl.BlockSpec((None, None, None, rows), lambda bi, h, c: (bi, h, c, 0))
@@ -516,21 +468,21 @@ def sparse_step(qkv, q_norm, k_norm, rope, k_cache, v_cache, layer, idx, count, 
         kernel,
         grid=(b, kh, n_prog),
         in_specs=[*[whole((1,))] * len(scalars), whole((b, num_heads + 2 * kh, d)),
+                  *[whole(a.shape) for a in xs],
                   *[whole((d,))] * len(norms), whole((b, 2, half)), whole(idx4.shape),
                   whole(cnt3.shape), whole((b,)), whole((b,)), whole(k_cache.shape),
-                  whole(v_cache.shape), *extra_specs],
+                  whole(v_cache.shape)],
         out_specs=out_specs,
         out_shape=out_shape,
-        input_output_aliases={n_in: n_out - 2, n_in + 1: n_out - 1, **aliases},
+        input_output_aliases={n_in: n_out - 2, n_in + 1: n_out - 1},
         compiler_params=pltr.CompilerParams(num_warps=blocks.num_warps,
                                             num_stages=blocks.num_stages),
         interpret=interpret,
         name="vegas_sparse_step",
-    )(*scalars, qkv.reshape(b, num_heads + 2 * kh, d), *norms, rope.astype(jnp.float32), idx4,
-      cnt3, tail_start.astype(jnp.int32), q_pos.astype(jnp.int32), k_cache, v_cache,
-      *extra_in)
+    )(*scalars, qkv.reshape(b, num_heads + 2 * kh, d), *xs, *norms, rope.astype(jnp.float32),
+      idx4, cnt3, tail_start.astype(jnp.int32), q_pos.astype(jnp.int32), k_cache, v_cache)
     k_cache, v_cache = res[-2:]
-    if mode != "xla":
+    if normalize:
         out = res[0].reshape(b, kh, g, d)
     else:
         out, _ = combine_splits(*res[:3])  # [b, kh, rows, d]
@@ -540,12 +492,17 @@ def sparse_step(qkv, q_norm, k_norm, rope, k_cache, v_cache, layer, idx, count, 
 
 def sparse_step_reference(qkv, q_norm, k_norm, rope, k_cache, v_cache, layer, idx, count,
                           tail_start, q_pos, *, tail_len, num_heads, qk_norm=False, eps=1e-6,
-                          idx_layer=None):
-    """Split, norm, RoPE, cache write and `sparse_attention_reference`, in plain XLA."""
+                          idx_layer=None, x=None):
+    """Input-norm scale (with x), split, norm, RoPE, cache write and
+    `sparse_attention_reference`, in plain XLA."""
     b = qkv.shape[0]
     _, _, kh, s, d = k_cache.shape
-    x = qkv.reshape(b, 1, num_heads + 2 * kh, d)
-    q, k, v = x[:, :, :num_heads], x[:, :, num_heads:num_heads + kh], x[:, :, num_heads + kh:]
+    if x is not None:
+        xf = x.astype(jnp.float32)
+        r = lax.rsqrt(jnp.mean(xf * xf, axis=-1) + eps)  # [b]
+        qkv = (qkv.astype(jnp.float32) * r[:, None, None]).astype(qkv.dtype)
+    y = qkv.reshape(b, 1, num_heads + 2 * kh, d)
+    q, k, v = y[:, :, :num_heads], y[:, :, num_heads:num_heads + kh], y[:, :, num_heads + kh:]
     cos = jnp.concatenate([rope[:, 0], rope[:, 0]], -1)[:, None]  # [b, 1, d]
     sin = jnp.concatenate([rope[:, 1], rope[:, 1]], -1)[:, None]
 

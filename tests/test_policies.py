@@ -96,23 +96,29 @@ def test_entropy_split_follows_each_layers_perplexity():
         SpecConfig(method=sel.VerifyGuided("pair", entropy=0.5), score="logit")
 
 
-def test_decay_carries_the_scores_of_earlier_rounds():
-    """decay d: the next selection ranks max(new, d * carried), over the ranked range only;
-    the paper's selector (d = 0) ranks the new scores alone."""
+@pytest.mark.parametrize("score", ["weight", "logit"])
+def test_decay_carries_the_scores_of_earlier_rounds(score):
+    """decay d (the default `vegas`): the next selection ranks max(new, d * carried)
+    (raw logits: max(new, carried + log d)), over the ranked range only; the paper's
+    selector (`vegas-paper`, d = 0) ranks the new scores alone."""
     L, b = 2, 2
     k1, k2 = jax.random.split(jax.random.PRNGKey(2))
-    s1 = 3 * jax.random.uniform(k1, (L, b, MAX_LEN))  # d * s1 competes with s2
+    s1 = 3 * jax.random.uniform(k1, (L, b, MAX_LEN))  # the aged s1 competes with s2
     s2 = jax.random.uniform(k2, (L, b, MAX_LEN))
     n1, n2 = jnp.array([300, 700]), jnp.array([305, 707])
-    dec = sel.VerifyGuided("pair", decay=0.5)
-    assert dec.name == "vegas-decay"
-    st1 = dec.update(SPEC, sel.TopK(None, None, None, None), s1, _Cache(), n1,
+    dec = sel.METHODS["vegas"]
+    assert dec == sel.VerifyGuided("pair", decay=0.5) and dec.name == "vegas"
+    assert sel.VerifyGuided("pair").name == "vegas-paper"
+    spec = SpecConfig(method=dec, gamma=SPEC.gamma, sparsity=SPEC.sparsity,
+                      min_tokens=SPEC.min_tokens, score=score)
+    st1 = dec.update(spec, sel.TopK(None, None, None, None), s1, _Cache(), n1,
                      jnp.zeros_like(n1), None)
-    st2 = dec.update(SPEC, st1, s2, _Cache(), n2, jnp.zeros_like(n2), None)
+    st2 = dec.update(spec, st1, s2, _Cache(), n2, jnp.zeros_like(n2), None)
     # what is carried past the first round's range is -inf: those slots held drafts
     carried = jnp.where(jnp.arange(MAX_LEN) <= n1[None, :, None], s1, -jnp.inf)
-    want = jnp.maximum(s2, 0.5 * carried)
-    plain = sel.VerifyGuided("pair").update(SPEC, None, s2, _Cache(), n2, jnp.zeros_like(n2), None)
+    want = jnp.maximum(s2, 0.5 * carried if score == "weight" else carried + np.log(0.5))
+    plain = sel.METHODS["vegas-paper"].update(spec, None, s2, _Cache(), n2,
+                                              jnp.zeros_like(n2), None)
     sets, plain_sets = _sets(st2), _sets(plain)
     differs = False
     for l in range(L):
@@ -121,8 +127,6 @@ def test_decay_carries_the_scores_of_earlier_rounds():
             assert sets[l][j] == _top(want[l, j], n2[j], c)
             differs |= sets[l][j] != plain_sets[l][j]
     assert differs
-    with pytest.raises(ValueError, match="score='weight'"):
-        SpecConfig(method=dec, score="logit")
 
 
 def test_accepted_rows_average_only_the_kept_tokens():
@@ -157,7 +161,7 @@ def tiny():
     return tiny_model(scale=0.3)
 
 
-@pytest.mark.parametrize("method", ["vegas-accepted", "vegas-decay", "vegas-pool",
+@pytest.mark.parametrize("method", ["vegas-accepted", "vegas-paper", "vegas-pool",
                                     "vegas-entropy"])
 def test_greedy_equals_vanilla(tiny, method):
     rng = np.random.default_rng(0)

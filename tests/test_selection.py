@@ -55,7 +55,7 @@ def test_vegas_selection_is_the_top_of_verify_rows_0_and_gamma(tiny_hf, impl, re
     ckpt, hf_model = tiny_hf("llama-gqa")
     model = load_model(checkpoint=ckpt, dtype=jnp.float32)
     cfg = model.config
-    spec = SpecConfig(method="vegas", gamma=GAMMA, sparsity=0.1, min_tokens=4)
+    spec = SpecConfig(method="vegas-paper", gamma=GAMMA, sparsity=0.1, min_tokens=4)
     rng = np.random.default_rng(7)
     prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for n in LENS]
     tails = [rng.integers(3, cfg.vocab_size, GAMMA + 1).tolist() for _ in LENS]  # x0, drafts

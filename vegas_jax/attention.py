@@ -166,22 +166,24 @@ def fused_draft(plan: AttnPlan, xc) -> bool:
 
 
 def sparse_block(plan: AttnPlan, xc, cfg, qkv, q_norm, k_norm, rope, k_cache, v_cache, layer,
-                 positions):
+                 positions, x=None):
     """The fused draft attention block: qkv [b, 1, (n + 2k) * d] raw projection (per shard
-    [q_i | k_i | v_i]), q_norm / k_norm [d], rope [b, 2, d/2] (`rope_halves`). Returns
-    (out [b, 1, k, g, d], k_cache, v_cache)."""
+    [q_i | k_i | v_i]), q_norm / k_norm [d], rope [b, 2, d/2] (`rope_halves`); x [b, h] or
+    None: the layer input, when qkv projects it before the input norm's row scale (the
+    kernel applies it). Returns (out [b, 1, k, g, d], k_cache, v_cache)."""
 
     def local(qkv, q_norm, k_norm, rope, k_cache, v_cache, layer, idx, count, tail_start,
-              q_pos, at):
+              q_pos, at, *x):
         return sparse_step(qkv, q_norm, k_norm, rope, k_cache, v_cache, layer, idx, count,
                            tail_start, q_pos, tail_len=plan.tail_len,
                            num_heads=cfg.num_heads // xc.tp, qk_norm=cfg.qk_norm,
-                           eps=cfg.rms_norm_eps, idx_layer=at)
+                           eps=cfg.rms_norm_eps, idx_layer=at, x=x[0] if x else None)
 
     cols = P(None, None, AXIS)
     ispec, cspec = index_specs(plan.idx)
     count, tail_start = skipped(plan, xc, plan.count, positions)
+    xs = () if x is None else (x,)
     return per_device(local, xc, (cols, REP, REP, REP, HEADS5, HEADS5, REP, ispec, cspec, REP,
-                                  REP, REP), (HEADS5, HEADS5, HEADS5))(
+                                  REP, REP) + (REP,) * len(xs), (HEADS5, HEADS5, HEADS5))(
         qkv, q_norm, k_norm, rope, k_cache, v_cache, layer, plan.idx, count, tail_start,
-        positions[:, 0], layer if plan.layered else 0)
+        positions[:, 0], layer if plan.layered else 0, *xs)

@@ -29,7 +29,7 @@ from vegas_jax.cli import (
 from vegas_jax.selection import METHODS
 from vegas_jax.speculative import SpecConfig
 
-ALL_METHODS = ("vanilla", "stream", "quest", "last", "vegas-all", "vegas", "auto")
+ALL_METHODS = ("vanilla", "stream", "quest", "last", "vegas-all", "vegas-paper", "vegas", "auto")
 
 
 def _time(fn, reps: int) -> float:

@@ -121,14 +121,20 @@ def _layer(cfg: ModelConfig, xc: ExecConfig, write: bool, plan: AttnPlan, cos, s
     k_heads, g, d = cfg.num_kv_heads, cfg.group_size, cfg.head_dim
     x, k_cache, v_cache = carry  # x [b, t, h]
     b, t, _ = x.shape
-    h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
+    fused = write and fused_draft(plan, xc)
+    # a fused draft with the norm's weight folded into w_qkv: the norm's row scale
+    # commutes with the projection, so the draft kernel applies it (one launch fewer a
+    # layer); drafts only, the verify and plain decoding keep the model's exact order
+    scaled_in_kernel = fused and lp.attn_norm is None
+    h = x if scaled_in_kernel else rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
     qkv = mm("bth,hn->btn", h, lp.w_qkv)  # [b, t, (n + 2k)*d]
-    if write and fused_draft(plan, xc):  # the attention block in one kernel
+    if fused:  # the attention block in one kernel
         # the Q/K norm weights of models without QK-norm: a literal, never read
         ones = np.ones((d,), np.float32)
         qn, kn = (lp.q_norm, lp.k_norm) if cfg.qk_norm else (ones, ones)
         o, k_cache, v_cache = sparse_block(plan, xc, cfg, qkv, qn, kn, rope, k_cache,
-                                           v_cache, li, positions)
+                                           v_cache, li, positions,
+                                           x.reshape(b, -1) if scaled_in_kernel else None)
         return _mlp(cfg, xc, x, o, lp), k_cache, v_cache, None
     # columns per shard: [q_i | k_i | v_i] for each of the tp shards (`sharding`)
     per = qkv.reshape(b, t, xc.tp, -1)  # [b, t, tp, (n + 2k)*d / tp]

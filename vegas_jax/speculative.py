@@ -34,8 +34,9 @@ from vegas_jax.selection import SCORES, Auto, Method, method_named
 class SpecConfig:
     """Self-speculative decoding settings.
 
-    method: a name from `selection.METHODS` ("vegas", "vegas-all", "last", "stream",
-    "quest", "auto", "vanilla") or a strategy object (e.g. `Stream(sink=4)`); names become
+    method: a name from `selection.METHODS` ("vegas", "vegas-paper", "vegas-all", "last",
+    "stream", "quest", "auto", "vanilla", ...) or a strategy object (e.g. `Stream(sink=4)`);
+    names become
     objects here, once. With "auto", gamma is where it starts. gamma: draft tokens per round. sparsity: fraction of the context each draft
     step reads, in (0, 1]. min_tokens: floor of that budget. score: "weight" (softmax
     weights, the authors' default) or "logit" (raw logits).
