@@ -155,7 +155,8 @@ print("\n" + vegas.text[0])
 #
 # | method | draft reads | chosen from |
 # |---|---|---|
-# | `vegas` | top-k per layer | verify weights of rows 0 and gamma ("Collect-2-Query") |
+# | `vegas` | top-k per layer | verify weights of rows 0 and gamma ("Collect-2-Query"), each position's score the larger of this verify's and half the one carried from earlier rounds |
+# | `vegas-paper` | top-k per layer | the paper's selector: this verify's rows 0 and gamma alone |
 # | `vegas-all` | top-k per layer | verify weights of all gamma + 1 rows |
 # | `last` | top-k per layer | verify weights of the last accepted token's row (SpecExtend-style) |
 # | `stream` | first 16 tokens + recent window | nothing: position only (MagicDec-Stream) |

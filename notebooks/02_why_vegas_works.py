@@ -6,7 +6,10 @@
 # exactly how much every cached token mattered to these queries. Vegas keeps the weights
 # of two rows only — row 0 (`x0`, predicting `d_1`) and row `gamma` (`d_gamma`, predicting
 # the bonus token) — averages them over heads, and lets the next round's drafts read the
-# top-k positions per layer ("Collect-2-Query").
+# top-k positions per layer ("Collect-2-Query"). (That is the paper's selector,
+# `vegas-paper`; the library's default `vegas` also keeps each position's best of this
+# verify's score and half the one carried from earlier rounds, which drafts a little
+# better: BENCHMARKS.md, 2026-12-02 c.)
 #
 # On the real SmolLM2-135M weights and a ~1000-token real prompt, this notebook shows:
 # 1. the verify pass's attention weights per layer (heat maps);
