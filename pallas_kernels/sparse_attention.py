@@ -111,6 +111,10 @@ class StepBlocks:
     # whole row, the query's rotated halves put side by side by two exact selection dots).
     # "rows" is not yet timed on the GPU (`benchmarks.tune_sparse_step` has both).
     key_rows: str = "halves"
+
+    def __post_init__(self):
+        if self.key_rows not in ("halves", "rows"):
+            raise ValueError(f"key_rows must be 'halves' or 'rows', got {self.key_rows!r}")
     # head dims above 64: the split path's tiles, the ones measured at Qwen3-8B shapes (the
     # 128-row, 3-stage tiles were measured at head dim 64 only)
     whole_wide: SparseBlocks = SparseBlocks()
@@ -451,8 +455,6 @@ def sparse_step(qkv, q_norm, k_norm, rope, k_cache, v_cache, layer, idx, count, 
     idx4, cnt3, idx_layer, per_head = _index_inputs(b, idx, count, idx_layer)
     n_idx = idx4.shape[-1]
     blocks = blocks or STEP_BLOCKS
-    if blocks.key_rows not in ("halves", "rows"):
-        raise ValueError(f"key_rows must be 'halves' or 'rows', got {blocks.key_rows!r}")
     key_rows = blocks.key_rows
     normalize = b * kh >= blocks.whole_from
     blocks = (blocks.split if not normalize else blocks.whole if d <= 64 else blocks.whole_wide)
