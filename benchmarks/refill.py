@@ -61,7 +61,11 @@ def main(argv=None) -> int:
 
         def refilled():
             r = speculative_generate(model, prompts, a.new_tokens, spec, sp, max_batch=a.slots)
-            return sum(map(len, r.tokens)), r.stats["tau"], r.stats
+            n = sorted(map(len, r.tokens))  # ragged when EOS ends texts before the limit
+            print(f"  {m}: output lengths min {n[0]}, median {n[len(n) // 2]}, max {n[-1]}, "
+                  f"{sum(x < a.new_tokens for x in n)} of {len(n)} ended before the limit",
+                  flush=True)
+            return sum(n), r.stats["tau"], dict(r.stats, out_lens=n)
 
         out = {}
         for name, fn in (("static", static), ("refilled", refilled)):
@@ -76,7 +80,8 @@ def main(argv=None) -> int:
               f"{st['refills']} in {st['refill_prefills']} |", flush=True)
         rows.append({"method": m, "static_tok_s": s, "refilled_tok_s": r,
                      "tau_static": out["static"][1], "tau_refilled": out["refilled"][1],
-                     "refills": st["refills"], "refill_prefills": st["refill_prefills"]})
+                     "refills": st["refills"], "refill_prefills": st["refill_prefills"],
+                     "out_lens": st["out_lens"]})
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"args": vars(a), "device": jax.devices()[0].device_kind, "rows": rows}, f,

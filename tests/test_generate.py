@@ -70,8 +70,11 @@ def test_bad_arguments():
         generate(m, [[1]], 4, attn_impl="cuda")
 
 
-@pytest.mark.parametrize("chunk", [64, 128])
-def test_chunked_prefill_equals_whole(chunk):
+@pytest.mark.parametrize("chunk,group", [(64, None), (128, None), (None, 1), (None, 2)])
+def test_chunked_prefill_equals_whole(chunk, group):
+    """Slices of the prompts (the whole batch a step) and groups of whole prompts (the
+    last group overlapping the one before: 3 rows in groups of 2) leave what one step
+    leaves."""
     m = tiny_model(scale=0.3)
     cfg = m.config
     rng = np.random.default_rng(3)
@@ -80,17 +83,21 @@ def test_chunked_prefill_equals_whole(chunk):
 
     def run(c):
         cache = gen.init_cache(cfg, len(ids), 384, jnp.float32)
-        return gen.prefill(m.params, cfg, XLA, toks, lens, cache, Capture((0,)), c)
+        return gen.prefill(m.params, cfg, XLA, toks, lens, cache, Capture((0,)), *c)
 
-    (lw, cw, sw), (lc, cc, sc) = run(None), run(chunk)
+    (lw, cw, sw), (lc, cc, sc) = run((None, None)), run((chunk, group))
     np.testing.assert_allclose(np.asarray(lc), np.asarray(lw), atol=2e-5)
     np.testing.assert_allclose(np.asarray(sc), np.asarray(sw), atol=2e-5)
     for i, n in enumerate(lens.tolist()):  # the kept entries; padding slots may differ
         np.testing.assert_allclose(np.asarray(cc.k[:, i, :, :n]), np.asarray(cw.k[:, i, :, :n]),
                                    atol=2e-5)
-    assert gen.prefill_chunk(2, 192) == 192
-    c = gen.prefill_chunk(1024, 8192)
-    assert c % gen.PROMPT_BUCKET == 0 and 1024 * c <= gen.PREFILL_TOKENS + 1024 * 64
+    assert (gen.prefill_chunk(2, 192), gen.prefill_rows(2, 192)) == (192, 2)
+    # a large batch of whole prompts: groups of sequences, each step within the budget
+    assert gen.prefill_chunk(1024, 8192) == 8192
+    assert gen.prefill_rows(1024, 8192) * 8192 <= gen.PREFILL_TOKENS
+    # one prompt over the budget: equal slices within it
+    c = gen.prefill_chunk(1, 3 * gen.PREFILL_TOKENS + 5)
+    assert c % gen.PROMPT_BUCKET == 0 and c <= gen.PREFILL_TOKENS
 
 
 def test_exec_config_resolution():

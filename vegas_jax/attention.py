@@ -72,9 +72,13 @@ class AttnPlan:
     # path (their output is never used; the batch waits for its slowest sequence, and a
     # finished one then costs no cache reads). None: every sequence attends.
     active: jax.Array | None = None
+    # causal: every row's queries sit at positions 0..t-1 (a whole prompt from its first
+    # token), so a backend that needs that (cuDNN's causal mask) may run it
+    fresh: bool = struct.field(pytree_node=False, default=False)
 
 
 CAUSAL = AttnPlan()
+PROMPT = AttnPlan(fresh=True)
 
 
 # Tensor parallel: a Pallas kernel runs on each device's KV heads inside `shard_map` (XLA
@@ -109,6 +113,9 @@ def attention(plan: AttnPlan, xc, q, k_cache, v_cache, layer, positions):
         kw = {} if cap is None else dict(capture=cap.reduce, capture_rows=cap.rows,
                                          score=cap.score)
         fn = verify_attention if xc.attn == "pallas" else verify_attention_reference
+        if plan.fresh and xc.attn == "pallas" and xc.prefill == "cudnn" and cap is None \
+                and q.dtype != jnp.float32:  # cuDNN's flash attention has no fp32
+            kw = dict(prefill_impl="cudnn")
 
         heads = cap is not None and cap.reduce == "heads"
 

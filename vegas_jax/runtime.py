@@ -16,7 +16,7 @@ from flax import struct
 from jax import lax
 
 from pallas_kernels.common import pow2_at_least
-from vegas_jax.attention import CAUSAL, AttnPlan, Capture
+from vegas_jax.attention import CAUSAL, PROMPT, AttnPlan, Capture
 from vegas_jax.cache import KVCache, cache_bytes, init_cache
 from vegas_jax.config import ModelConfig
 from vegas_jax.execution import ExecConfig, model_jit
@@ -26,7 +26,7 @@ from vegas_jax.sharding import place_cache
 
 PROMPT_BUCKET = 64  # prompts are padded to a multiple of this: fewer compilations
 LEN_BUCKET = 128  # cache lengths are rounded up to this
-PREFILL_TOKENS = 64 * 1024  # query tokens per prefill step across the batch (activations)
+PREFILL_TOKENS = 128 * 1024  # query tokens per prefill step across the batch (activations)
 
 
 @dataclasses.dataclass
@@ -99,13 +99,15 @@ def check_memory(model, batch: int, max_len: int, prompt_len: int, attn: str = "
     cfg = model.config
     kv = cache_bytes(cfg, batch, max_len, param_dtype(model.params))
     # Largest transients: prefill activations and the chunked attention logits.
-    q_len = prefill_chunk(batch, _round_up(prompt_len, PROMPT_BUCKET))
+    width = _round_up(prompt_len, PROMPT_BUCKET)
+    q_len = prefill_chunk(batch, width)
+    rows = prefill_rows(batch, width) if q_len == width else batch  # sequences a step
     # an MoE layer's MLP rows: each token's k experts (the sorted (token, expert) rows)
     mlp = cfg.experts_per_token * cfg.moe_intermediate_size if cfg.is_moe else cfg.intermediate_size
-    act = batch * q_len * (cfg.hidden_size * 4 + mlp * 3) * 4
+    act = rows * q_len * (cfg.hidden_size * 4 + mlp * 3) * 4
     # The XLA attention path materialises [b, heads, 512 queries, s] logits per chunk; the
     # Pallas kernels keep them on chip.
-    att = batch * cfg.num_heads * min(q_len, 512) * max_len * 4 * 3 if attn == "xla" else 0
+    att = rows * cfg.num_heads * min(q_len, 512) * max_len * 4 * 3 if attn == "xla" else 0
     logits = batch * cfg.vocab_size * 4 * 4
     need = kv + act + att + logits
     free = available_bytes()
@@ -130,21 +132,37 @@ def pad_prompts(prompts: list[list[int]]):
 
 
 def prefill_chunk(batch: int, width: int) -> int:
-    """Query tokens per sequence per prefill step: the whole prompt unless the batch holds
-    more than PREFILL_TOKENS of them, then equal slices (multiples of PROMPT_BUCKET), so the
-    activations stay bounded however large the batch."""
-    if batch * width <= PREFILL_TOKENS:
+    """Query tokens per sequence per prefill step: the whole prompt while the batch's
+    PREFILL_TOKENS budget holds one whole prompt (`prefill_rows` sequences at a time),
+    else equal slices (multiples of PROMPT_BUCKET), so the activations stay bounded however
+    large the batch or long the prompt."""
+    if width <= PREFILL_TOKENS:
         return width
-    n = -(-batch * width // PREFILL_TOKENS)
+    n = -(-width // PREFILL_TOKENS)
     return max(PROMPT_BUCKET, _round_up(-(-width // n), PROMPT_BUCKET))
 
 
+def prefill_rows(batch: int, width: int) -> int:
+    """Sequences per prefill step: as many whole prompts as the budget holds (at least
+    one). A step of whole prompts starts at position 0, which cuDNN's causal attention
+    needs; slicing the batch instead of the prompts keeps it so."""
+    if batch * width <= PREFILL_TOKENS:
+        return batch
+    return max(1, min(batch, PREFILL_TOKENS // width))
 
-@model_jit(static_argnames=("cfg", "xc", "capture", "chunk"), donate_argnames=("cache",))
+
+def _rows(x, start, n, axis):
+    return lax.dynamic_slice_in_dim(x, start, n, axis=axis)
+
+
+@model_jit(static_argnames=("cfg", "xc", "capture", "chunk", "group"),
+           donate_argnames=("cache",))
 def prefill(params, cfg: ModelConfig, xc: ExecConfig, tokens, lens, cache: KVCache,
-            capture: Capture | None, chunk: int | None = None):
-    """Full causal attention over the (right-padded) prompts, `chunk` query tokens at a
-    time (a scan; each slice attends to the cache the earlier ones wrote).
+            capture: Capture | None, chunk: int | None = None, group: int | None = None):
+    """Full causal attention over the (right-padded) prompts: `group` sequences at a time
+    when each step holds whole prompts (from position 0: `PROMPT`, which may run cuDNN),
+    else the whole batch `chunk` query tokens at a time (a scan; each slice attends to the
+    cache the earlier ones wrote). Default: `prefill_chunk` and `prefill_rows`.
 
     Returns (logits of each prompt's last token [b, v], cache with lengths = lens, scores):
     with `capture` (a one-row capture), the last prompt token's query is run once more
@@ -155,28 +173,51 @@ def prefill(params, cfg: ModelConfig, xc: ExecConfig, tokens, lens, cache: KVCac
     query can see them (every query sees only positions <= its own).
     """
     b, t = tokens.shape
-    chunk = min(chunk or t, t)
-    n = -(-t // chunk)
-    tokens = jnp.pad(tokens, ((0, 0), (0, n * chunk - t)))
+    chunk = min(chunk or prefill_chunk(b, t), t)
+    group = min(group or prefill_rows(b, t), b) if chunk == t else b
+    at = lens - 1
+    if group < b:
+        # Groups of whole prompts; the last one starts at b - group and redoes a few rows
+        # of the one before (the same tokens, so the same K/V), so every step has one shape.
+        starts = jnp.minimum(jnp.arange(-(-b // group), dtype=jnp.int32) * group, b - group)
+        pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (group, t))
 
-    def step(carry, c):
-        cache, last = carry
-        toks = lax.dynamic_slice_in_dim(tokens, c * chunk, chunk, axis=1)  # [b, chunk]
-        pos = c * chunk + jnp.broadcast_to(jnp.arange(chunk, dtype=jnp.int32), (b, chunk))
-        at = jnp.clip(lens - 1 - c * chunk, 0, chunk - 1)
-        logits, cache, _ = forward(params, cfg, xc, toks, pos, cache, CAUSAL, logits_at=at)
-        mine = (lens - 1) // chunk == c  # this slice holds the prompt's last token
-        return (cache, jnp.where(mine[:, None], logits[:, 0], last)), None
+        def rows_step(carry, r0):
+            k, v, last = carry
+            sub = KVCache(k=_rows(k, r0, group, 1), v=_rows(v, r0, group, 1),
+                          lengths=_rows(lens, r0, group, 0))
+            logits, sub, _ = forward(params, cfg, xc, _rows(tokens, r0, group, 0), pos, sub,
+                                     PROMPT, logits_at=_rows(at, r0, group, 0))
+            k = lax.dynamic_update_slice_in_dim(k, sub.k, r0, axis=1)
+            v = lax.dynamic_update_slice_in_dim(v, sub.v, r0, axis=1)
+            return (k, v, lax.dynamic_update_slice_in_dim(last, logits[:, 0], r0, 0)), None
 
-    init = (cache, jnp.zeros((b, cfg.vocab_size), jnp.float32))
-    if n == 1:
-        (cache, logits), _ = step(init, jnp.int32(0))
+        init = (cache.k, cache.v, jnp.zeros((b, cfg.vocab_size), jnp.float32))
+        (k, v, logits), _ = lax.scan(rows_step, init, starts)
+        cache = cache.replace(k=k, v=v)
     else:
-        (cache, logits), _ = lax.scan(step, init, jnp.arange(n, dtype=jnp.int32))
+        n = -(-t // chunk)
+        tokens_p = jnp.pad(tokens, ((0, 0), (0, n * chunk - t)))
+
+        def step(carry, c):
+            cache, last = carry
+            toks = lax.dynamic_slice_in_dim(tokens_p, c * chunk, chunk, axis=1)  # [b, chunk]
+            pos = c * chunk + jnp.broadcast_to(jnp.arange(chunk, dtype=jnp.int32), (b, chunk))
+            here = jnp.clip(at - c * chunk, 0, chunk - 1)
+            logits, cache, _ = forward(params, cfg, xc, toks, pos, cache,
+                                       PROMPT if n == 1 else CAUSAL, logits_at=here)
+            mine = at // chunk == c  # this slice holds the prompt's last token
+            return (cache, jnp.where(mine[:, None], logits[:, 0], last)), None
+
+        init = (cache, jnp.zeros((b, cfg.vocab_size), jnp.float32))
+        if n == 1:
+            (cache, logits), _ = step(init, jnp.int32(0))
+        else:
+            (cache, logits), _ = lax.scan(step, init, jnp.arange(n, dtype=jnp.int32))
     scores = None
     if capture is not None:
-        last = jnp.take_along_axis(tokens, (lens - 1)[:, None], axis=1)
-        _, cache, scores = forward(params, cfg, xc, last, (lens - 1)[:, None], cache,
+        last = jnp.take_along_axis(tokens, at[:, None], axis=1)
+        _, cache, scores = forward(params, cfg, xc, last, at[:, None], cache,
                                    AttnPlan(capture=capture), write=False)
     return logits, cache.replace(lengths=lens), scores
 
@@ -345,16 +386,14 @@ def prefill_prompts(params, cfg, xc: ExecConfig, ids: list[list[int]], cache: KV
     lens = jnp.asarray([len(p) for p in ids], jnp.int32)
     if len(groups) == 1:
         tokens, _ = pad_prompts(ids)
-        chunk = prefill_chunk(*tokens.shape)
-        return prefill(params, cfg, xc, tokens, lens, cache, capture, chunk)
+        return prefill(params, cfg, xc, tokens, lens, cache, capture)
     logits = [None] * len(ids)
     scores = [None] * len(ids)
     for rows in groups.values():
         tokens, sub_lens = pad_prompts([ids[r] for r in rows])
         r = jnp.asarray(rows)
         sub = KVCache(k=cache.k[:, r], v=cache.v[:, r], lengths=sub_lens)
-        lg, sub, sc = prefill(params, cfg, xc, tokens, sub_lens, sub, capture,
-                              prefill_chunk(*tokens.shape))
+        lg, sub, sc = prefill(params, cfg, xc, tokens, sub_lens, sub, capture)
         cache = _put_rows(cache, sub, r)
         for j, row in enumerate(rows):
             logits[row] = lg[j]
@@ -437,8 +476,7 @@ def prefill_group(model, xc: ExecConfig, prompts: list[list[int]], rows: int, ma
     ids = list(prompts) + [prompts[-1]] * (rows - len(prompts))
     cache = place_cache(init_cache(cfg, rows, max_len, param_dtype(model.params)), xc.tp)
     tokens, lens = pad_prompts(ids)
-    logits, cache, scores = prefill(model.params, cfg, xc, tokens, lens, cache, capture,
-                                    prefill_chunk(*tokens.shape))
+    logits, cache, scores = prefill(model.params, cfg, xc, tokens, lens, cache, capture)
     first, _ = sample(key, logits, sampling)
     return cache, first, scores
 
