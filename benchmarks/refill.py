@@ -15,6 +15,7 @@ import json
 import time
 
 import jax
+import numpy as np
 
 
 def main(argv=None) -> int:
@@ -33,16 +34,22 @@ def main(argv=None) -> int:
     p.add_argument("--temperature", type=float, default=0.6)
     p.add_argument("--top-p", type=float, default=0.95)
     p.add_argument("--top-k", type=int, default=20)
+    p.add_argument("--ragged", action="store_true",
+                   help="one limit per prompt, drawn uniformly from [new_tokens / 8, "
+                   "new_tokens] (seeded): outputs of varied lengths, as in long evaluations")
     p.add_argument("--json", default=None, metavar="FILE")
     a = p.parse_args(argv)
     with open(a.prompts_json) as f:
         base = json.load(f)["prompts"]
     prompts = [base[i % len(base)][-a.context:] for i in range(a.prompts)]
     prompts = [q[: len(q) * (3 + i % 5) // 7] for i, q in enumerate(prompts)]  # 3/7 .. 7/7
+    limits = (np.random.default_rng(0).integers(max(1, a.new_tokens // 8), a.new_tokens + 1,
+                                                a.prompts).tolist()
+              if a.ragged else [a.new_tokens] * a.prompts)
     model = load_model(checkpoint=a.checkpoint)
     sp = SamplingParams(a.temperature, a.top_k, a.top_p)
     print(f"{a.prompts} prompts of {min(map(len, prompts))}-{max(map(len, prompts))} tokens, "
-          f"{a.new_tokens} new, {a.slots} slots, T {a.temperature}")
+          f"{min(limits)}-{a.new_tokens} new, {a.slots} slots, T {a.temperature}")
     print("| method | static batches tok/s | refilled slots tok/s | refilled / static | tau | "
           "refills in prefills |")
     print("|---|---|---|---|---|---|")
@@ -54,16 +61,17 @@ def main(argv=None) -> int:
             toks, taus = 0, []
             st = {}
             for i in range(0, a.prompts, a.slots):
-                r = speculative_generate(model, prompts[i:i + a.slots], a.new_tokens, spec, sp)
+                r = speculative_generate(model, prompts[i:i + a.slots], limits[i:i + a.slots],
+                                         spec, sp)
                 toks += sum(map(len, r.tokens))
                 taus.append(r.stats["tau"])
             return toks, sum(taus) / len(taus), st
 
         def refilled():
-            r = speculative_generate(model, prompts, a.new_tokens, spec, sp, max_batch=a.slots)
+            r = speculative_generate(model, prompts, limits, spec, sp, max_batch=a.slots)
             n = sorted(map(len, r.tokens))  # ragged when EOS ends texts before the limit
             print(f"  {m}: output lengths min {n[0]}, median {n[len(n) // 2]}, max {n[-1]}, "
-                  f"{sum(x < a.new_tokens for x in n)} of {len(n)} ended before the limit",
+                  f"{sum(x < a.new_tokens for x in n)} of {len(n)} shorter than {a.new_tokens}",
                   flush=True)
             return sum(n), r.stats["tau"], dict(r.stats, out_lens=n)
 

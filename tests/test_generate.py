@@ -162,3 +162,36 @@ def test_prefill_capture_leaves_the_cache_as_plain_prefill():
     np.testing.assert_array_equal(np.asarray(c2.k), np.asarray(c0.k))
     np.testing.assert_array_equal(np.asarray(c2.v), np.asarray(c0.v))
     np.testing.assert_allclose(np.asarray(s2), np.asarray(s1), rtol=0, atol=1e-6)
+
+
+def test_long_prefill_reports_every_layer_of_every_step(monkeypatch):
+    """Prompts over PROGRESS_TOKENS tick a progress bar once a layer of each prefill step
+    (here 3 prompts in groups of 2: two steps), and the bar is full when the prefill
+    returns; the logits are those of a prefill without it."""
+    import tqdm
+
+    ticks = []
+
+    class Bar:
+        def __init__(self, total, **kw):
+            self.total, self.n = total, 0
+            ticks.append(self)
+
+        def update(self, k):
+            self.n += k
+
+        def close(self):
+            pass
+
+    m = tiny_model(scale=0.3)
+    rng = np.random.default_rng(5)
+    ids = [rng.integers(0, 100, size=n).tolist() for n in (150, 170, 191)]
+    cache = lambda: gen.init_cache(m.config, 3, 256, jnp.float32)  # noqa: E731
+    quiet, _, _ = gen.prefill_prompts(m.params, m.config, XLA, ids, cache(), None)
+    monkeypatch.setattr(tqdm, "tqdm", Bar)
+    monkeypatch.setattr(gen, "PROGRESS_TOKENS", 100)
+    monkeypatch.setattr(gen, "PREFILL_TOKENS", 2 * 192)
+    logits, _, _ = gen.prefill_prompts(m.params, m.config, XLA, ids, cache(), None)
+    assert len(ticks) == 1 and ticks[0].total == 2 * m.config.num_layers
+    assert ticks[0].n == ticks[0].total
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(quiet), atol=2e-5)

@@ -116,3 +116,25 @@ def test_refill_groups_are_never_as_wide_as_the_batch():
     r = Refill([], None, col)
     assert [r.rows(k) for k in (1, 2, 3, 4)] == [1, 2, 5, 5]
     assert Refill([], None, TokenCollector(1, 8, ())).rows(1) == 1
+
+
+@pytest.mark.parametrize("method", ["vanilla", "vegas"])
+def test_per_prompt_token_limits(setup, method):
+    """One limit per prompt (a ragged workload): each prompt stops at its own limit (or
+    EOS) and its tokens are the head of what it makes with a single limit, in static
+    batches and through refilled slots."""
+    model, prompts, alone = setup
+    limits = [3, NEW, 9, 1, 17]
+    want = [a[:n] for a, n in zip(alone, limits)]
+    spec = SpecConfig(method=method, gamma=3, min_tokens=8)
+    for max_batch in (None, 2):
+        res = speculative_generate(model, prompts, limits, spec, max_batch=max_batch)
+        assert res.tokens == want, max_batch
+    assert generate(model, prompts, limits, max_batch=2).tokens == want
+
+
+@pytest.mark.parametrize("bad", [[4, 4], [4, 0, 4, 4, 4], [4, 2.5, 4, 4, 4]])
+def test_per_prompt_limits_must_match_the_prompts(setup, bad):
+    model, prompts, _ = setup
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        speculative_generate(model, prompts, bad)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +17,7 @@ from vegas_jax.execution import ExecConfig, model_jit
 from vegas_jax.model import forward
 from vegas_jax.runtime import (
     DecodeClock, GenerationResult, Progress, Refill, TokenCollector, decode_text, drive, eos_ids,
-    prefill_group, prefill_prompts, start,
+    prefill_group, prefill_prompts, rows_of, start, token_limits,
 )
 from vegas_jax.sampling import SamplingParams, sample
 
@@ -59,7 +59,7 @@ def decode_steps(params, cfg: ModelConfig, xc: ExecConfig, state: DecodeState,
 def generate(
     model,
     prompts,
-    max_new_tokens: int = 128,
+    max_new_tokens: int | Sequence[int] = 128,
     sampling: SamplingParams = SamplingParams(),
     seed: int = 0,
     on_tokens: Callable[[list[list[int]]], None] | None = None,
@@ -71,7 +71,8 @@ def generate(
 
     `on_tokens` receives, after each device call, the new tokens of every prompt.
     `max_batch`: at most this many sequences at once; each finished one's slot is refilled
-    with the next prompt (results stay in prompt order).
+    with the next prompt (results stay in prompt order). `max_new_tokens`: one limit, or
+    one per prompt.
     """
     if steps_per_call < 1:
         raise ValueError("steps_per_call must be >= 1")
@@ -79,15 +80,16 @@ def generate(
     ids, cache, xc = start(model, prompts, max_new_tokens, sampling, steps_per_call, attn_impl,
                            max_batch)
     slots = cache.batch
+    limits = token_limits(max_new_tokens, len(ids))
     key = jax.random.PRNGKey(seed)
     key, k0 = jax.random.split(key)
     eos = eos_ids(model)
-    collector = TokenCollector(slots, max_new_tokens, eos, on_tokens, n_prompts=len(ids))
+    collector = TokenCollector(slots, limits, eos, on_tokens, n_prompts=len(ids))
 
     t0 = time.perf_counter()
     logits, cache, _ = prefill_prompts(model.params, cfg, xc, ids[:slots], cache, None)
     tok, _ = sample(k0, logits, sampling)
-    state = DecodeState(cache, tok, key, Progress.start(tok, max_new_tokens, eos))
+    state = DecodeState(cache, tok, key, Progress.start(tok, limits[:slots], eos))
     collector.add([[t] for t in jax.device_get(tok)])
     prefill_s = time.perf_counter() - t0
 
@@ -95,7 +97,8 @@ def generate(
         grp, first, _ = prefill_group(model, xc, [ids[p] for p in prompts], rows,
                                       cache.max_len, None, jax.random.fold_in(k0, prompts[0]),
                                       sampling)
-        return DecodeState(grp, first, key, Progress.start(first, max_new_tokens, eos)), first
+        return (DecodeState(grp, first, key,
+                            Progress.start(first, rows_of(limits, prompts, rows), eos)), first)
 
     refill = Refill(range(slots, len(ids)), prefill_some, collector) if len(ids) > slots else None
     clock = DecodeClock(collector)

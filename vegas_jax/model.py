@@ -210,6 +210,7 @@ def forward(
     plan: AttnPlan,
     logits_at=None,
     write: bool = True,
+    on_layer=None,
 ):
     """Run the model on `tokens` [b, t] at `positions` [b, t].
 
@@ -232,6 +233,8 @@ def forward(
     def step(carry, lp, li):
         *carry, sc = _layer(cfg, xc, write, plan, cos, sin, positions, rope, tuple(carry), lp,
                             jnp.int32(li))
+        if on_layer is not None:  # fed one value of the output, so it runs after the layer
+            jax.debug.callback(on_layer, carry[0][0, 0, 0])
         return tuple(carry), sc
 
     carry = (x, cache.k, cache.v)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import sys
 import time
 from typing import Any, Callable, Sequence
 
@@ -67,16 +68,37 @@ def encode_prompts(model, prompts) -> list[list[int]]:
     return out
 
 
-def plan_cache_len(cfg: ModelConfig, prompt_lens, max_new_tokens: int, extra: int) -> int:
-    """Static cache length for this batch; refuses prompts that do not fit the context."""
-    if int(max_new_tokens) != max_new_tokens or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be a whole number >= 1, got {max_new_tokens}")
+def token_limits(max_new_tokens, n_prompts: int) -> np.ndarray:
+    """New tokens allowed per prompt [n_prompts]: one whole number >= 1 for all, or one per
+    prompt (a workload of ragged output lengths)."""
+    lim = np.asarray(max_new_tokens)
+    if lim.ndim > 1 or (lim.ndim == 1 and len(lim) != n_prompts):
+        raise ValueError(f"max_new_tokens must be one number or one per prompt ({n_prompts}), "
+                         f"got shape {lim.shape}")
+    if lim.size == 0 or not np.all(np.mod(lim, 1) == 0) or np.min(lim) < 1:
+        raise ValueError(f"max_new_tokens must be whole numbers >= 1, got {max_new_tokens}")
+    return np.broadcast_to(lim.astype(np.int64), (n_prompts,)).copy()
+
+
+def rows_of(limits: np.ndarray, prompts: Sequence[int], rows: int) -> np.ndarray:
+    """The limits of a refill group's rows: its prompts', padded with the last one's (the
+    padding rows repeat the last prompt)."""
+    picked = [int(limits[p]) for p in prompts]
+    return np.asarray(picked + picked[-1:] * (rows - len(picked)))
+
+
+def plan_cache_len(cfg: ModelConfig, prompt_lens, max_new_tokens, extra: int) -> int:
+    """Static cache length for this batch; refuses prompts that do not fit the context.
+    max_new_tokens: one limit for all prompts or one per prompt."""
+    limits = token_limits(max_new_tokens, len(prompt_lens))
     longest = max(prompt_lens)
-    need = longest + max_new_tokens
+    totals = np.asarray(prompt_lens) + limits
+    worst = int(np.argmax(totals))
+    need = int(totals[worst])
     if need > cfg.max_position_embeddings:
         raise ValueError(
-            f"prompt of {longest} tokens + {max_new_tokens} new tokens = {need} exceeds "
-            f"{cfg.name}'s context of {cfg.max_position_embeddings} tokens"
+            f"prompt of {prompt_lens[worst]} tokens + {limits[worst]} new tokens = {need} "
+            f"exceeds {cfg.name}'s context of {cfg.max_position_embeddings} tokens"
         )
     # Decoding writes a few entries past the last kept token (speculative drafts, finished
     # sequences idling): keep room for them so no write is ever dropped.
@@ -155,10 +177,28 @@ def _rows(x, start, n, axis):
     return lax.dynamic_slice_in_dim(x, start, n, axis=axis)
 
 
-@model_jit(static_argnames=("cfg", "xc", "capture", "chunk", "group"),
+def prefill_steps(batch: int, width: int) -> int:
+    """Steps of one `prefill` call (groups of whole prompts, or slices of them)."""
+    chunk = prefill_chunk(batch, width)
+    if chunk == width:
+        return -(-batch // prefill_rows(batch, width))
+    return -(-width // chunk)
+
+
+PROGRESS_TOKENS = 32 * 1024  # prompts holding this many tokens show a progress bar
+_bar: list = []  # the progress bar of the prefill running now, if any (`_layer_done`)
+
+
+def _layer_done(_):
+    if _bar:
+        _bar[0].update(1)
+
+
+@model_jit(static_argnames=("cfg", "xc", "capture", "chunk", "group", "progress"),
            donate_argnames=("cache",))
 def prefill(params, cfg: ModelConfig, xc: ExecConfig, tokens, lens, cache: KVCache,
-            capture: Capture | None, chunk: int | None = None, group: int | None = None):
+            capture: Capture | None, chunk: int | None = None, group: int | None = None,
+            progress: bool = False):
     """Full causal attention over the (right-padded) prompts: `group` sequences at a time
     when each step holds whole prompts (from position 0: `PROMPT`, which may run cuDNN),
     else the whole batch `chunk` query tokens at a time (a scan; each slice attends to the
@@ -171,8 +211,10 @@ def prefill(params, cfg: ModelConfig, xc: ExecConfig, tokens, lens, cache: KVCac
     cache is exactly what plain prefill leaves.
     Padding writes K/V past each prompt's end; those slots are overwritten before any
     query can see them (every query sees only positions <= its own).
+    `progress`: each layer of each step ticks the bar `prefill_prompts` shows.
     """
     b, t = tokens.shape
+    on_layer = _layer_done if progress else None
     chunk = min(chunk or prefill_chunk(b, t), t)
     group = min(group or prefill_rows(b, t), b) if chunk == t else b
     at = lens - 1
@@ -187,7 +229,8 @@ def prefill(params, cfg: ModelConfig, xc: ExecConfig, tokens, lens, cache: KVCac
             sub = KVCache(k=_rows(k, r0, group, 1), v=_rows(v, r0, group, 1),
                           lengths=_rows(lens, r0, group, 0))
             logits, sub, _ = forward(params, cfg, xc, _rows(tokens, r0, group, 0), pos, sub,
-                                     PROMPT, logits_at=_rows(at, r0, group, 0))
+                                     PROMPT, logits_at=_rows(at, r0, group, 0),
+                                     on_layer=on_layer)
             k = lax.dynamic_update_slice_in_dim(k, sub.k, r0, axis=1)
             v = lax.dynamic_update_slice_in_dim(v, sub.v, r0, axis=1)
             return (k, v, lax.dynamic_update_slice_in_dim(last, logits[:, 0], r0, 0)), None
@@ -205,7 +248,8 @@ def prefill(params, cfg: ModelConfig, xc: ExecConfig, tokens, lens, cache: KVCac
             pos = c * chunk + jnp.broadcast_to(jnp.arange(chunk, dtype=jnp.int32), (b, chunk))
             here = jnp.clip(at - c * chunk, 0, chunk - 1)
             logits, cache, _ = forward(params, cfg, xc, toks, pos, cache,
-                                       PROMPT if n == 1 else CAUSAL, logits_at=here)
+                                       PROMPT if n == 1 else CAUSAL, logits_at=here,
+                                       on_layer=on_layer)
             mine = at // chunk == c  # this slice holds the prompt's last token
             return (cache, jnp.where(mine[:, None], logits[:, 0], last)), None
 
@@ -235,7 +279,7 @@ class TokenCollector:
         self.tokens = [[] for _ in range(n_prompts or batch)]
         self.owner = np.arange(batch)
         self.done = np.zeros(batch, bool)
-        self.max_new = max_new_tokens
+        self.max_new = token_limits(max_new_tokens, len(self.tokens))  # per prompt
         self.eos = set(int(e) for e in eos_ids)
         self.on_tokens = on_tokens
         self.first: dict[int, Any] = {}  # slot -> its new prompt's first token (device)
@@ -259,7 +303,7 @@ class TokenCollector:
                 t = int(t)
                 got.append(t)
                 self.tokens[self.owner[i]].append(t)
-                if t in self.eos or len(self.tokens[self.owner[i]]) >= self.max_new:
+                if t in self.eos or len(self.tokens[self.owner[i]]) >= self.max_new[self.owner[i]]:
                     self.done[i] = True
         if self.on_tokens is not None:
             self.on_tokens(new)
@@ -376,7 +420,8 @@ def _put_rows(cache: KVCache, sub: KVCache, rows):
 def prefill_prompts(params, cfg, xc: ExecConfig, ids: list[list[int]], cache: KVCache,
                     capture: Capture | None):
     """Prefill a ragged batch. Prompts are grouped by padded length so that a short prompt
-    does not pay for the longest one's padding; one group uses the cache in place.
+    does not pay for the longest one's padding; one group uses the cache in place. Prompts
+    of PROGRESS_TOKENS or more show a progress bar (layers done) on a terminal.
 
     Returns (last-token logits [b, v], cache with lengths set, scores [L, b, s] or None).
     """
@@ -384,16 +429,36 @@ def prefill_prompts(params, cfg, xc: ExecConfig, ids: list[list[int]], cache: KV
     for i, p in enumerate(ids):
         groups.setdefault(_round_up(len(p), PROMPT_BUCKET), []).append(i)
     lens = jnp.asarray([len(p) for p in ids], jnp.int32)
-    if len(groups) == 1:
-        tokens, _ = pad_prompts(ids)
-        return prefill(params, cfg, xc, tokens, lens, cache, capture)
+    show = sum(map(len, ids)) >= PROGRESS_TOKENS
+    if show:
+        from tqdm import tqdm
+
+        steps = sum(prefill_steps(len(r), w) for w, r in groups.items())
+        _bar[:] = [tqdm(total=steps * cfg.num_layers, unit="layer", file=sys.stderr,
+                        desc=f"prefill {sum(map(len, ids))} tokens", disable=None)]
+    try:
+        if len(groups) == 1:
+            tokens, _ = pad_prompts(ids)
+            out = prefill(params, cfg, xc, tokens, lens, cache, capture, progress=show)
+        else:
+            out = _prefill_groups(params, cfg, xc, ids, cache, capture, groups, lens, show)
+        if show:
+            jax.block_until_ready(out)
+            jax.effects_barrier()  # every tick has run
+        return out
+    finally:
+        if show:
+            _bar.pop().close()
+
+
+def _prefill_groups(params, cfg, xc, ids, cache, capture, groups, lens, show):
     logits = [None] * len(ids)
     scores = [None] * len(ids)
     for rows in groups.values():
         tokens, sub_lens = pad_prompts([ids[r] for r in rows])
         r = jnp.asarray(rows)
         sub = KVCache(k=cache.k[:, r], v=cache.v[:, r], lengths=sub_lens)
-        lg, sub, sc = prefill(params, cfg, xc, tokens, sub_lens, sub, capture)
+        lg, sub, sc = prefill(params, cfg, xc, tokens, sub_lens, sub, capture, progress=show)
         cache = _put_rows(cache, sub, r)
         for j, row in enumerate(rows):
             logits[row] = lg[j]
@@ -415,11 +480,11 @@ class Progress:
     eos: tuple = struct.field(pytree_node=False, default=())
 
     @classmethod
-    def start(cls, first, max_new_tokens: int, eos: tuple) -> "Progress":
-        """After the prefill sampled `first` [b]."""
+    def start(cls, first, max_new_tokens, eos: tuple) -> "Progress":
+        """After the prefill sampled `first` [b]; max_new_tokens: one limit or one a row."""
         b = first.shape[0]
         p = cls(n_gen=jnp.zeros((b,), jnp.int32),
-                limit=jnp.full((b,), max_new_tokens, jnp.int32),
+                limit=jnp.asarray(token_limits(max_new_tokens, b), jnp.int32),
                 done=jnp.zeros((b,), bool), eos=tuple(eos))
         _, p = p.emit(first[:, None])
         return p

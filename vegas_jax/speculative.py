@@ -8,7 +8,7 @@ import collections
 import dataclasses
 import functools
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +24,7 @@ from vegas_jax.generate import DecodeState, decode_steps, generate
 from vegas_jax.model import forward
 from vegas_jax.runtime import (
     DecodeClock, GenerationResult, Progress, Refill, TokenCollector, available_bytes,
-    decode_text, drive, eos_ids, prefill_group, prefill_prompts, start,
+    decode_text, drive, eos_ids, prefill_group, prefill_prompts, rows_of, start, token_limits,
 )
 from vegas_jax.sampling import SamplingParams, accept, sample
 from vegas_jax.selection import SCORES, Auto, Method, method_named
@@ -311,7 +311,7 @@ class AutoController:
 def speculative_generate(
     model,
     prompts,
-    max_new_tokens: int = 128,
+    max_new_tokens: int | Sequence[int] = 128,
     spec: SpecConfig = SpecConfig(),
     sampling: SamplingParams = SamplingParams(),
     seed: int = 0,
@@ -323,7 +323,7 @@ def speculative_generate(
     (greedy: the same tokens). `spec.method="vanilla"` runs plain decoding; "auto" chooses
     gamma or plain decoding as it goes (`AutoController`). `max_batch`: at most this many
     sequences at once; each finished one's slot is refilled with the next prompt's prefill
-    (results stay in prompt order)."""
+    (results stay in prompt order). `max_new_tokens`: one limit, or one per prompt."""
     if not isinstance(spec, SpecConfig):
         raise TypeError("spec must be a SpecConfig")
     if not spec.method.speculative:
@@ -341,16 +341,17 @@ def speculative_generate(
     ids, cache, xc = start(model, prompts, max_new_tokens, sampling, extra, attn_impl,
                            max_batch)
     batch = cache.batch
+    limits = token_limits(max_new_tokens, len(ids))
     key = jax.random.PRNGKey(seed)
     key, k0 = jax.random.split(key)
     eos = eos_ids(model)
-    collector = TokenCollector(batch, max_new_tokens, eos, on_tokens, n_prompts=len(ids))
+    collector = TokenCollector(batch, limits, eos, on_tokens, n_prompts=len(ids))
 
     t0 = time.perf_counter()
     logits, cache, scores = prefill_prompts(model.params, cfg, xc, ids[:batch], cache,
                                             prefill_capture(spec))
     x0, _ = sample(k0, logits, sampling)
-    progress = Progress.start(x0, max_new_tokens, eos)
+    progress = Progress.start(x0, limits[:batch], eos)
     state = init_state(spec, xc, cache, x0, key, scores, cache.lengths + 0,  # own buffer: donated
                        progress)
     collector.add([[t] for t in jax.device_get(x0)])
@@ -423,7 +424,7 @@ def speculative_generate(
                                        cache.max_len, prefill_capture(spec),
                                        jax.random.fold_in(k0, prompts[0]), sampling)
         return init_state(spec, xc, grp, first, key, sc, grp.lengths + 0,
-                          Progress.start(first, max_new_tokens, eos)), first
+                          Progress.start(first, rows_of(limits, prompts, rows), eos)), first
 
     refill = Refill(range(batch, len(ids)), prefill_some, collector) if len(ids) > batch else None
     clock = DecodeClock(collector)
