@@ -23,14 +23,12 @@ from pallas_kernels.sparse_attention import (
 SPLIT = 10**9
 CANDIDATES = [
     ("whole bk128 w4 s3", StepBlocks(whole_from=1)),
-    ("whole bk128 w4 s3 rows", StepBlocks(whole_from=1, key_rows="rows")),
     ("whole bk128 w4 s2", StepBlocks(whole=SparseBlocks(block_k=128), whole_from=1)),
     ("whole bk64 w4 s3", StepBlocks(whole=SparseBlocks(num_stages=3), whole_from=1)),
     ("whole bk64 w4 s2", StepBlocks(whole=SparseBlocks(), whole_from=1)),
     ("whole bk128 w8 s2", StepBlocks(whole=SparseBlocks(block_k=128, num_warps=8),
                                      whole_from=1)),
     ("split t528 bk64", StepBlocks(whole_from=SPLIT)),
-    ("split t528 bk64 rows", StepBlocks(whole_from=SPLIT, key_rows="rows")),
     ("split t1056 bk64", StepBlocks(SparseBlocks(target_programs=1056), whole_from=SPLIT)),
     ("split t528 bk128 s3", StepBlocks(SparseBlocks(block_k=128, num_stages=3),
                                        whole_from=SPLIT)),

@@ -106,15 +106,6 @@ class StepBlocks:
     split: SparseBlocks = SparseBlocks()
     whole: SparseBlocks = SparseBlocks(block_k=128, num_stages=3)
     whole_from: int = 128
-    # How the cached keys are gathered: "halves" (two 64-byte loads an entry at head dim
-    # 64, the two RoPE halves of the query dotted with them), or "rows" (one load of the
-    # whole row, the query's rotated halves put side by side by two exact selection dots).
-    # "rows" is not yet timed on the GPU (`benchmarks.tune_sparse_step` has both).
-    key_rows: str = "halves"
-
-    def __post_init__(self):
-        if self.key_rows not in ("halves", "rows"):
-            raise ValueError(f"key_rows must be 'halves' or 'rows', got {self.key_rows!r}")
     # head dims above 64: the split path's tiles, the ones measured at Qwen3-8B shapes (the
     # 128-row, 3-stage tiles were measured at head dim 64 only)
     whole_wide: SparseBlocks = SparseBlocks()
@@ -340,7 +331,7 @@ def _rope(x1, x2, cos, sin):
 
 
 def _step_kernel(layer_ref, il, qkv_ref, *refs, per_head, g, kh, qk_norm, eps, normalize,
-                 hidden, key_rows, **kw):
+                 hidden, **kw):
     # layer_ref [1]; il the index layer; qkv_ref [b, n + 2k, d] (raw projection: q heads |
     # k heads | v heads); x_ref [b, hidden] (the layer's input, when `hidden`: qkv is then
     # its projection before the RMS norm's row scale, applied here);
@@ -390,15 +381,10 @@ def _step_kernel(layer_ref, il, qkv_ref, *refs, per_head, g, kh, qk_norm, eps, n
         ko_ref[layer, bi, h, pl.ds(qpos, 1), up] = k[1]
         vo_ref[layer, bi, h, pl.ds(qpos, 1), :] = v
 
-    if key_rows == "rows":  # q as one [rows, d] operand: keys gathered as whole rows
-        cols = jnp.arange(d, dtype=jnp.int32)[None, :]
-        at = jnp.arange(half, dtype=jnp.int32)[:, None]
-        place_lo = (at == cols).astype(q[0].dtype)  # [d/2, d]: x @ it puts x in cols 0..d/2
-        place_up = (at + half == cols).astype(q[0].dtype)
-        parts = (((dot(q[0], place_lo) + dot(q[1], place_up)).astype(q[0].dtype),
-                  slice(None)),)
-    else:
-        parts = ((q[0], lo), (q[1], up))
+    # keys gathered as two half rows, each dotted with its RoPE half of the query (one
+    # whole-row load with the halves placed side by side measured no faster: BENCHMARKS.md,
+    # 2026-12-02 d)
+    parts = ((q[0], lo), (q[1], up))
     o, m, l, hits = _chunk_attention(parts, k_ref, v_ref, idx_ref, cnt_ref,
                                      ts_ref, layer, il, bi, h, hi, j, qpos,
                                      skip_qpos=True, one_program=normalize, **kw)
@@ -455,7 +441,6 @@ def sparse_step(qkv, q_norm, k_norm, rope, k_cache, v_cache, layer, idx, count, 
     idx4, cnt3, idx_layer, per_head = _index_inputs(b, idx, count, idx_layer)
     n_idx = idx4.shape[-1]
     blocks = blocks or STEP_BLOCKS
-    key_rows = blocks.key_rows
     normalize = b * kh >= blocks.whole_from
     blocks = (blocks.split if not normalize else blocks.whole if d <= 64 else blocks.whole_wide)
     bk, chunk, n_sel, n_prog = _chunking(b, kh, n_idx, tail_len, blocks, split=not normalize)
@@ -464,7 +449,7 @@ def sparse_step(qkv, q_norm, k_norm, rope, k_cache, v_cache, layer, idx, count, 
     kernel, scalars = _layer_inputs(functools.partial(
         _step_kernel, block_k=bk, chunk=chunk, n_sel=n_sel, n_idx=n_idx, tail_len=tail_len,
         s_len=s, scale=d**-0.5, per_head=per_head, g=g, kh=kh, qk_norm=qk_norm, eps=eps,
-        normalize=normalize, hidden=0 if x is None else x.shape[-1], key_rows=key_rows),
+        normalize=normalize, hidden=0 if x is None else x.shape[-1]),
         layer, idx_layer)
     norms = [q_norm.astype(qkv.dtype), k_norm.astype(qkv.dtype)] if qk_norm else []
     xs = [] if x is None else [x]

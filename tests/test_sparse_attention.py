@@ -83,14 +83,11 @@ STEP_CASES = [
 ]
 
 
-@pytest.mark.parametrize("key_rows", ["halves", "rows"])
 @pytest.mark.parametrize("with_x", [False, True])
 @pytest.mark.parametrize("case", STEP_CASES, ids=[f"c{i}" for i in range(len(STEP_CASES))])
-def test_sparse_step_matches_reference(case, with_x, key_rows):
+def test_sparse_step_matches_reference(case, with_x):
     """With x, qkv is the projection before the input norm's row scale, which the kernel
-    applies from x (rows of different scales; a hidden size that is not a power of two).
-    key_rows: keys gathered as two half rows or as whole rows (the query's halves placed
-    side by side in the kernel)."""
+    applies from x (rows of different scales; a hidden size that is not a power of two)."""
     from pallas_kernels.sparse_attention import rope_halves, sparse_step, sparse_step_reference
 
     b, kh, g, d, s, K, W, qk_norm, dtype, unsplit = case
@@ -118,8 +115,7 @@ def test_sparse_step_matches_reference(case, with_x, key_rows):
         kw["x"] = x.astype(dtype)
     ref, rk, rv = sparse_step_reference(*args, **kw)
     sb = SparseBlocks(block_k=16, target_programs=3 * b * kh)
-    blocks = StepBlocks(split=sb, whole=sb, whole_from=1 if unsplit else 10**6,
-                        key_rows=key_rows)
+    blocks = StepBlocks(split=sb, whole=sb, whole_from=1 if unsplit else 10**6)
     out, ok_, ov = sparse_step(*args, **kw, interpret=True, blocks=blocks)
     assert out.shape == ref.shape and out.dtype == ref.dtype
     tol = 2e-2 if dtype == jnp.bfloat16 else 1e-4
@@ -138,9 +134,9 @@ def test_sparse_step_lowers_for_cuda():
     L, b, kh, g, d, s, K = 2, 64, 3, 3, 64, 4096, 300
     sd = jax.ShapeDtypeStruct
     bf = jnp.bfloat16
-    for unsplit, key_rows in ((1, "halves"), (10**6, "halves"), (1, "rows")):
+    for unsplit in (1, 10**6):
         fn = functools.partial(sparse_step, tail_len=13, num_heads=kh * g, qk_norm=True,
-                               blocks=StepBlocks(whole_from=unsplit, key_rows=key_rows))
+                               blocks=StepBlocks(whole_from=unsplit))
         txt = lower_cuda(
             fn, sd((b, 1, (kh * g + 2 * kh) * d), bf), sd((d,), bf), sd((d,), bf),
             sd((b, 2, d // 2), jnp.float32), sd((L, b, kh, s, d), bf), sd((L, b, kh, s, d), bf),
