@@ -16,8 +16,8 @@ from vegas_jax.config import ModelConfig
 from vegas_jax.execution import ExecConfig, model_jit
 from vegas_jax.model import forward
 from vegas_jax.runtime import (
-    DecodeClock, GenerationResult, Progress, Refill, TokenCollector, decode_text, drive, eos_ids,
-    prefill_group, prefill_prompts, rows_of, start, token_limits,
+    DecodeClock, GenerationResult, Progress, Refill, decode_text, drive, launch, prefill_group,
+    prefill_prompts, rows_of,
 )
 from vegas_jax.sampling import SamplingParams, sample
 
@@ -77,14 +77,10 @@ def generate(
     if steps_per_call < 1:
         raise ValueError("steps_per_call must be >= 1")
     cfg = model.config
-    ids, cache, xc = start(model, prompts, max_new_tokens, sampling, steps_per_call, attn_impl,
-                           max_batch)
+    ids, cache, xc, limits, key, k0, eos, collector = launch(
+        model, prompts, max_new_tokens, sampling, steps_per_call, attn_impl, max_batch, seed,
+        on_tokens)
     slots = cache.batch
-    limits = token_limits(max_new_tokens, len(ids))
-    key = jax.random.PRNGKey(seed)
-    key, k0 = jax.random.split(key)
-    eos = eos_ids(model)
-    collector = TokenCollector(slots, limits, eos, on_tokens, n_prompts=len(ids))
 
     t0 = time.perf_counter()
     logits, cache, _ = prefill_prompts(model.params, cfg, xc, ids[:slots], cache, None)

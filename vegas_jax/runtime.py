@@ -8,7 +8,7 @@ import functools
 import os
 import sys
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -410,6 +410,32 @@ def start(model, prompts, max_new_tokens, sampling, extra_len, attn_impl, max_ba
     cache = place_cache(init_cache(model.config, slots, max_len, param_dtype(model.params)),
                         xc.tp)
     return ids, cache, xc
+
+
+class Launch(NamedTuple):
+    """What `launch` sets up for a decoding loop."""
+
+    ids: list  # prompt token ids
+    cache: KVCache  # empty, for the first min(len(ids), max_batch) prompts
+    xc: ExecConfig
+    limits: np.ndarray  # new tokens allowed per prompt
+    key: Any  # the loop's PRNG key
+    k0: Any  # the prefills' key
+    eos: tuple
+    collector: TokenCollector
+
+
+def launch(model, prompts, max_new_tokens, sampling, extra_len, attn_impl, max_batch, seed,
+           on_tokens) -> Launch:
+    """`start`, plus what every decoding loop makes next: the per-prompt limits, the keys,
+    the EOS ids and the host's token collector."""
+    ids, cache, xc = start(model, prompts, max_new_tokens, sampling, extra_len, attn_impl,
+                           max_batch)
+    limits = token_limits(max_new_tokens, len(ids))
+    key, k0 = jax.random.split(jax.random.PRNGKey(seed))
+    eos = eos_ids(model)
+    collector = TokenCollector(cache.batch, limits, eos, on_tokens, n_prompts=len(ids))
+    return Launch(ids, cache, xc, limits, key, k0, eos, collector)
 
 
 @functools.partial(jax.jit, donate_argnames=("cache",))

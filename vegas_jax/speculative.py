@@ -23,8 +23,8 @@ from vegas_jax.execution import ExecConfig, model_jit
 from vegas_jax.generate import DecodeState, decode_steps, generate
 from vegas_jax.model import forward
 from vegas_jax.runtime import (
-    DecodeClock, GenerationResult, Progress, Refill, TokenCollector, available_bytes,
-    decode_text, drive, eos_ids, prefill_group, prefill_prompts, rows_of, start, token_limits,
+    DecodeClock, GenerationResult, Progress, Refill, available_bytes, decode_text, drive,
+    launch, prefill_group, prefill_prompts, rows_of,
 )
 from vegas_jax.sampling import SamplingParams, accept, sample
 from vegas_jax.selection import SCORES, Auto, Method, method_named
@@ -338,14 +338,9 @@ def speculative_generate(
     # Room past the last kept token: a round writes gamma + 1 entries after n, and the last
     # round may overshoot max_new_tokens by gamma; Quest's page refresh reads a page beyond.
     extra = 2 * gamma + 2 + getattr(spec.method, "extra_len", lambda: 0)()
-    ids, cache, xc = start(model, prompts, max_new_tokens, sampling, extra, attn_impl,
-                           max_batch)
+    ids, cache, xc, limits, key, k0, eos, collector = launch(
+        model, prompts, max_new_tokens, sampling, extra, attn_impl, max_batch, seed, on_tokens)
     batch = cache.batch
-    limits = token_limits(max_new_tokens, len(ids))
-    key = jax.random.PRNGKey(seed)
-    key, k0 = jax.random.split(key)
-    eos = eos_ids(model)
-    collector = TokenCollector(batch, limits, eos, on_tokens, n_prompts=len(ids))
 
     t0 = time.perf_counter()
     logits, cache, scores = prefill_prompts(model.params, cfg, xc, ids[:batch], cache,
