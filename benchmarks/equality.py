@@ -51,6 +51,9 @@ def main(argv=None) -> int:
     p.add_argument("--min-tokens", type=int, default=64)
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--exact", default="no", choices=("no", "yes", "both"),
+                   help="SpecConfig(exact=...): the verify row by row as decode steps; "
+                   "'both' runs every method each way")
     p.add_argument("--json", default=None, metavar="FILE")
     a = p.parse_args(argv)
     with open(a.prompts_json) as f:
@@ -71,12 +74,15 @@ def main(argv=None) -> int:
         other = (generate(model, prompts[:half], a.new_tokens).tokens
                  + generate(model, prompts[half:], a.new_tokens).tokens)
         runs = [(f"vanilla at batch {half} vs {a.batch}", other)]
+        exacts = {"no": (False,), "yes": (True,), "both": (False, True)}[a.exact]
         for m in a.methods.split(","):
-            t = time.perf_counter()
-            res = speculative_generate(model, prompts, a.new_tokens, SpecConfig(
-                method=m, gamma=a.gamma, sparsity=a.sparsity, min_tokens=a.min_tokens))
-            runs.append((f"{m} (tau {res.stats['tau']:.2f}, {time.perf_counter() - t:.0f} s)",
-                         res.tokens))
+            for exact in exacts:
+                t = time.perf_counter()
+                res = speculative_generate(model, prompts, a.new_tokens, SpecConfig(
+                    method=m, gamma=a.gamma, sparsity=a.sparsity, min_tokens=a.min_tokens,
+                    exact=exact))
+                runs.append((f"{m}{', exact' if exact else ''} (tau {res.stats['tau']:.2f}, "
+                             f"{time.perf_counter() - t:.0f} s)", res.tokens))
         for name, toks in runs:
             c = compare(ref, toks)
             fd = "-" if c["first_difference"] is None else c["first_difference"]

@@ -1,6 +1,8 @@
 """Speculative decoding on tiny random models: lossless greedy and sampled output,
 budgets, sparse reads, and selection from the verify pass itself."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -465,3 +467,53 @@ def test_pallas_kernels_end_to_end_equal_the_xla_path(pallas_interpret, method, 
     assert xla.tokens == ref.tokens
     assert pallas.stats["tau"] == xla.stats["tau"]
     assert pallas.tokens == ref.tokens
+
+
+@pytest.mark.parametrize("method", ["vegas", "last", "vegas-heads"])
+def test_exact_verify_rows_are_decode_steps_bit_for_bit(method):
+    """SpecConfig(exact=True): each verify row's logits and K/V are bit for bit those of
+    compiled one-token decode steps over the same tokens (bf16, SmolLM2's widths, batch
+    8), where the batched verify's are not: that is what makes greedy output equal plain
+    decoding's in bf16. Its capture combines the per-row scores as the batched verify's
+    does (pair mean, per row, per head), to bf16 rounding."""
+    from vegas_jax.runtime import prefill_prompts
+    from vegas_jax.speculative import verify_phase
+    from tests.tiny import tiny_config
+
+    cfg = dataclasses.replace(tiny_config(vocab=2000), hidden_size=576, intermediate_size=1536,
+                              num_heads=9, num_kv_heads=3, head_dim=64)
+    p = model_mod.init_params(cfg, jax.random.PRNGKey(0), jnp.bfloat16, scale=0.05)
+    rng = np.random.default_rng(7)
+    b = 8
+    ids = [rng.integers(0, 2000, size=n).tolist() for n in rng.integers(20, 90, b)]
+    spec = SpecConfig(method=method, gamma=4, min_tokens=8)
+    cap = spec.method.capture(spec)
+
+    def fresh():
+        return prefill_prompts(p, cfg, XLA, ids, init_cache(cfg, b, 128, jnp.bfloat16), None)[1]
+
+    x0 = jnp.asarray(rng.integers(0, 2000, b), jnp.int32)
+    drafts = jnp.asarray(rng.integers(0, 2000, (b, spec.gamma)), jnp.int32)
+
+    @jax.jit
+    def decode(cache):  # the step decode_steps compiles, token by token
+        def step(c, xs):
+            tok, i = xs
+            lg, c, _ = forward(p, cfg, XLA, tok[:, None], (cache.lengths + i)[:, None], c,
+                               AttnPlan(active=jnp.ones((b,), bool)))
+            return c, lg[:, 0]
+        toks = jnp.concatenate([x0[:, None], drafts], 1).T
+        c, lg = jax.lax.scan(step, cache, (toks, jnp.arange(toks.shape[0])))
+        return lg.swapaxes(0, 1), c
+
+    verify = jax.jit(lambda c, exact: verify_phase(p, cfg, XLA, c, x0, drafts, cap,
+                                                   jnp.ones((b,), bool), exact),
+                     static_argnums=1)
+    want, wc = decode(fresh())
+    exact, ec, es = verify(fresh(), True)
+    np.testing.assert_array_equal(np.asarray(exact), np.asarray(want))
+    np.testing.assert_array_equal(np.asarray(ec.k, np.float32), np.asarray(wc.k, np.float32))
+    batched, _, bs = verify(fresh(), False)
+    assert not np.array_equal(np.asarray(batched), np.asarray(want))  # what exact is for
+    assert es.shape == bs.shape
+    np.testing.assert_allclose(np.asarray(es), np.asarray(bs), rtol=2e-2, atol=1e-4)

@@ -296,6 +296,8 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
                    help="draft budget floor (at short context it can hide the sparsity)")
     p.add_argument("--score", default="weight", choices=("weight", "logit"),
                    help="criticality score: softmax weights or raw logits")
+    p.add_argument("--exact", action="store_true",
+                   help="SpecConfig(exact=True): the verify row by row as plain decode steps")
     add_sampling_args(p)
 
 
@@ -387,7 +389,8 @@ def run(args, model=None) -> list[dict]:
     for m, g in tqdm(runs, desc="methods", file=sys.stderr, disable=args.json):
         gc.collect()  # the previous run's cache and state (some in reference cycles) go now
         spec = SpecConfig(method=m if m != "vanilla" else "vegas", gamma=g,
-                          sparsity=args.sparsity, min_tokens=args.min_tokens, score=args.score)
+                          sparsity=args.sparsity, min_tokens=args.min_tokens, score=args.score,
+                          exact=args.exact)
         row = {"method": m, "gamma": g if m != "vanilla" else 0}
         if not profile_only:
             res = speculative_generate(model, prompts, args.new_tokens,

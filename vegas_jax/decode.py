@@ -51,6 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="smallest draft budget in tokens")
     p.add_argument("--score", default=d.score, choices=("weight", "logit"),
                    help="criticality score: softmax weights or raw attention logits")
+    p.add_argument("--exact", action="store_true",
+                   help="verify row by row as plain decode steps: greedy output equals plain "
+                   "decoding bit for bit in bf16 too, at the cost of reading the weights and "
+                   "the cache once a verify row")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object (tokens, text, stats) instead of streaming")
     return p
@@ -111,7 +115,7 @@ def run(args) -> int:
             cfg.with_context(args.max_context)
     sampling = sampling_from_args(args)
     spec = SpecConfig(method=args.method, gamma=args.gamma, sparsity=args.sparsity,
-                      min_tokens=args.min_tokens, score=args.score)
+                      min_tokens=args.min_tokens, score=args.score, exact=args.exact)
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     for f in args.prompt_file or []:

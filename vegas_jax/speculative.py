@@ -39,7 +39,11 @@ class SpecConfig:
     names become
     objects here, once. With "auto", gamma is where it starts. gamma: draft tokens per round. sparsity: fraction of the context each draft
     step reads, in (0, 1]. min_tokens: floor of that budget. score: "weight" (softmax
-    weights, the authors' default) or "logit" (raw logits).
+    weights, the authors' default) or "logit" (raw logits). exact: the verify runs as
+    gamma + 1 one-token forwards, each the very computation of a plain decode step (same
+    shapes, kernels and reduction order), so greedy output equals plain decoding's at the
+    same batch size bit for bit in any dtype (bf16 included), at the cost of reading the
+    weights and the KV cache once a verify row instead of once a verify.
     """
 
     method: Method | str = "vegas"
@@ -47,6 +51,7 @@ class SpecConfig:
     sparsity: float = 0.07
     min_tokens: int = 256
     score: str = "weight"
+    exact: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "method", method_named(self.method))
@@ -102,15 +107,39 @@ def draft_phase(params, cfg: ModelConfig, xc: ExecConfig, state: SpecState, key,
 
 
 def verify_phase(params, cfg: ModelConfig, xc: ExecConfig, cache: KVCache, x0, drafts,
-                 capture: Capture | None, active=None):
+                 capture: Capture | None, active=None, exact: bool = False):
     """Full causal attention over x0, d_1..d_gamma at positions n..n+gamma: rewrites their
     K/V and, in the same attention call, captures the next selection's scores. active [b]
-    (or None): finished sequences, False, read no cache.
+    (or None): finished sequences, False, read no cache. exact: row by row (`_verify_rows`).
     Returns (logits [b, gamma + 1, v], cache, scores | None)."""
     n = cache.lengths
     vtok = jnp.concatenate([x0[:, None], drafts], axis=1)
     vpos = n[:, None] + jnp.arange(drafts.shape[1] + 1, dtype=jnp.int32)
+    if exact:
+        return _verify_rows(params, cfg, xc, cache, vtok, vpos, capture, active)
     return forward(params, cfg, xc, vtok, vpos, cache, AttnPlan(capture=capture, active=active))
+
+
+def _verify_rows(params, cfg, xc, cache, vtok, vpos, capture, active):
+    """The verify as one-token forwards in a scan, each shaped as `decode_steps`' step: a
+    batched verify computes its 7 rows with other matmul tiles and attention splits than a
+    one-row step, and in bf16 that moves logits enough to flip near-ties. Each row
+    captures its own scores; the capture's rows are then combined as `capture` says."""
+    one = None if capture is None else Capture(
+        (0,), "heads" if capture.reduce == "heads" else "mean", capture.score)
+
+    def step(cache, xs):
+        tok, pos = xs  # [b], [b]
+        logits, cache, sc = forward(params, cfg, xc, tok[:, None], pos[:, None], cache,
+                                    AttnPlan(capture=one, active=active))
+        return cache, (logits[:, 0], sc)
+
+    cache, (logits, scores) = lax.scan(step, cache, (vtok.T, vpos.T))
+    logits = logits.swapaxes(0, 1)  # [b, gamma + 1, v]
+    if capture is None:
+        return logits, cache, None
+    rows = scores[jnp.asarray(capture.rows)]  # [r, L, b, (k,) s]
+    return logits, cache, jnp.moveaxis(rows, 0, 2) if capture.reduce == "rows" else rows.mean(0)
 
 
 @model_jit(static_argnames=("cfg", "xc", "spec", "sp"), donate_argnames=("state",))
@@ -130,7 +159,7 @@ def spec_round(params, cfg: ModelConfig, xc: ExecConfig, state: SpecState, spec:
     key, k_draft, k_acc = jax.random.split(state.key, 3)
     cache, drafts, q = draft_phase(params, cfg, xc, state, k_draft, spec, sp)
     logits, cache, scores = verify_phase(params, cfg, xc, cache, state.x0, drafts,
-                                         spec.method.capture(spec), active)
+                                         spec.method.capture(spec), active, spec.exact)
     n_acc, nxt = accept(k_acc, drafts, q, logits, sp)
     slot = jnp.arange(gamma + 1)[None, :]
     padded = jnp.concatenate([drafts, jnp.zeros_like(drafts[:, :1])], axis=1)
