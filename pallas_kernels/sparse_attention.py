@@ -44,8 +44,10 @@ def _at_layer(idx, count, idx_layer):
 
 
 def sparse_attention_reference(q, k_cache, v_cache, layer, idx, count, tail_start, q_pos,
-                               *, tail_len, idx_layer=None):
-    """Gather-then-attend in plain XLA. Returns out [b, 1, k, g, d]."""
+                               *, tail_len, idx_layer=None, sinks=None):
+    """Gather-then-attend in plain XLA. sinks [k, g] or None: one more logit per query
+    head in the softmax's denominator, with no value (gpt-oss). Returns out
+    [b, 1, k, g, d]."""
     idx, count = _at_layer(idx, count, idx_layer)
     b, _, kh, g, d = q.shape
     s = k_cache.shape[3]
@@ -64,7 +66,11 @@ def sparse_attention_reference(q, k_cache, v_cache, layer, idx, count, tail_star
     logits = jnp.einsum("bkgd,bksd->bkgs", q[:, 0].astype(jnp.float32), keys.astype(jnp.float32),
                         precision=lax.Precision.HIGHEST)
     logits = jnp.where(ok[:, :, None, :], logits * d**-0.5, -jnp.inf)  # [b, k, g, K + W]
-    w = jax.nn.softmax(logits, axis=-1)
+    if sinks is None:
+        w = jax.nn.softmax(logits, axis=-1)
+    else:
+        lse = jnp.logaddexp(jax.nn.logsumexp(logits, axis=-1), sinks.astype(jnp.float32))
+        w = jnp.exp(logits - lse[..., None])  # [b, k, g, K + W]
     out = jnp.einsum("bkgs,bksd->bkgd", w, vals.astype(jnp.float32),
                      precision=lax.Precision.HIGHEST)
     return out[:, None].astype(q.dtype)

@@ -9,6 +9,11 @@ index, so no per-layer slab is copied); q_pos [b, t] (row t sees keys s <= q_pos
 Scores: [b, s] fp32 for capture="mean" (mean over heads and capture rows), [b, r, s] for
 capture="rows" (mean over heads, one per capture row), [b, k, s] for capture="heads" (mean
 over capture rows and each KV head's query heads: a selection per KV head).
+
+gpt-oss extras: window (an int32 scalar, may be traced; 0 = none): row t sees only keys
+q_pos - window < s <= q_pos; sinks [k, g] fp32: one more logit per query head in the
+softmax's denominator, with no value (the weights of the keys sum to less than one; the
+captured weights are those).
 """
 
 from __future__ import annotations
@@ -56,7 +61,7 @@ def _scores_from_logits(logits, lse, valid, rows, score, capture):
 
 def verify_attention_reference(
     q, k_cache, v_cache, layer, q_pos, *, capture="none", capture_rows=(0,),
-    score="weight", query_chunk=512,
+    score="weight", query_chunk=512, window=None, sinks=None,
 ):
     """Plain-XLA reference. Returns (out [b, t, k, g, d], scores or None)."""
     _check_modes(capture, score)
@@ -71,9 +76,15 @@ def verify_attention_reference(
         logits = jnp.einsum("bckgd,bksd->bkgcs", qc.astype(jnp.float32), k.astype(jnp.float32),
                             precision=lax.Precision.HIGHEST)
         logits = logits * scale  # [b, k, g, c, s]
-        valid = jnp.arange(s)[None, None, None, None, :] <= pc[:, None, None, :, None]
+        pos = pc[:, None, None, :, None]
+        keys = jnp.arange(s)[None, None, None, None, :]
+        valid = keys <= pos
+        if window is not None:
+            valid &= (window <= 0) | (keys > pos - window)
         logits = jnp.where(valid, logits, -jnp.inf)
         lse = jax.nn.logsumexp(logits, axis=-1)  # [b, k, g, c]
+        if sinks is not None:  # the sink joins the denominator only
+            lse = jnp.logaddexp(lse, sinks.astype(jnp.float32)[None, :, :, None])
         w = jnp.exp(logits - lse[..., None])
         out = jnp.einsum("bkgcs,bksd->bckgd", w, v.astype(jnp.float32),
                          precision=lax.Precision.HIGHEST)
@@ -454,7 +465,7 @@ def _prefill_cudnn(q, k_cache, v_cache, layer):
 def verify_attention(
     q, k_cache, v_cache, layer, q_pos, *, capture="none", capture_rows=(0,), score="weight",
     interpret=False, blocks: VerifyBlocks = VerifyBlocks(), prefill_impl="pallas",
-    epilogue="pallas",
+    epilogue="pallas", window=None, sinks=None,
 ):
     """Pallas (Triton) op with exactly `verify_attention_reference`'s semantics.
 
@@ -464,6 +475,10 @@ def verify_attention(
     XLA ("xla", `capture_scores_reference`).
     """
     _check_modes(capture, score)
+    if window is not None or sinks is not None:
+        raise NotImplementedError(
+            "the Pallas verify kernel has no sliding window or attention sinks yet (gpt-oss): "
+            "run the model with attn_impl='xla'")
     b, t, kh, g, d = q.shape
     s = k_cache.shape[3]
     cap_list = [int(r) % t for r in capture_rows] if capture != "none" else []
