@@ -199,6 +199,20 @@ def test_greedy_speculative_equals_vanilla(tiny_oss, prompts, vanilla, method):
         assert st["tau"] == pytest.approx(1 + sum(st["acceptance_cumulative"]))
 
 
+def test_pallas_kernels_end_to_end(pallas_interpret, tiny_oss, prompts, vanilla):
+    """Through the Pallas kernels (interpret mode: prefill and verify with windows, sinks
+    and capture; drafts split around the sparse kernel, sinks at its combine, sliding
+    layers reading their window as the tail): vanilla's tokens, and the XLA path's
+    acceptance (the same drafts)."""
+    model = tiny_oss[2]
+    spec = SpecConfig(method="vegas", gamma=3, min_tokens=8)
+    pallas = speculative_generate(model, prompts, 20, spec, attn_impl="pallas")
+    xla = speculative_generate(model, prompts, 20, spec, attn_impl="xla")
+    assert pallas.stats["attn_impl"] == "pallas"
+    assert pallas.tokens == vanilla.tokens
+    assert pallas.stats["tau"] == xla.stats["tau"]
+
+
 def test_draft_selecting_everything_equals_decode(tiny_oss):
     """A sparse draft step whose selection (one list per full layer) holds every cached
     position computes the decode step's logits: the sliding layers read exactly their
