@@ -104,6 +104,47 @@ def check_verify(case, key):
     return max(rel(o1, o2), rel(s1, s2) if s1 is not None else 0.0)
 
 
+def check_window(case, key):
+    """gpt-oss: a sliding window (a traced int32, as the model's layer loop hands it) and
+    sinks; verify / decode from position n, prefill (n 0) of many query blocks."""
+    b, kh, g, d, s, t, n0, window, capture, rows = case
+    ks = jax.random.split(key, 5)
+    kc = jax.random.normal(ks[0], (2, b, kh, s, d), jnp.float32).astype(jnp.bfloat16)
+    vc = jax.random.normal(ks[1], (2, b, kh, s, d), jnp.float32).astype(jnp.bfloat16)
+    q = jax.random.normal(ks[2], (b, t, kh, g, d), jnp.float32).astype(jnp.bfloat16)
+    n = jax.random.randint(ks[3], (b,), s // 2, s - t) if n0 is None else jnp.full((b,), n0)
+    q_pos = n[:, None] + jnp.arange(t)
+    sinks = 2 + jax.random.normal(ks[4], (kh, g), jnp.float32)
+    kw = dict(capture=capture, capture_rows=rows)
+    args = (q, kc, vc, jnp.int32(1), q_pos, jnp.int32(window), sinks)
+    o1, s1 = jax.jit(lambda *a: verify_attention(*a[:5], window=a[5], sinks=a[6], **kw))(*args)
+    o2, s2 = jax.jit(lambda *a: verify_attention_reference(*a[:5], window=a[5], sinks=a[6],
+                                                           **kw))(*args)
+    return max(rel(o1, o2), rel(s1, s2) if s1 is not None else 0.0)
+
+
+def check_sparse_sinks(key):
+    """A gpt-oss full layer's draft (a selection, sinks at the combine) and a sliding
+    one's (nothing selected, the last 128 positions as the tail)."""
+    L, b, kh, g, d, s, K, W = 4, 16, 8, 8, 64, 8192, 574, 128
+    ks = jax.random.split(key, 6)
+    kc = jax.random.normal(ks[0], (L, b, kh, s, d), jnp.float32).astype(jnp.bfloat16)
+    vc = jax.random.normal(ks[1], (L, b, kh, s, d), jnp.float32).astype(jnp.bfloat16)
+    q = (2 * jax.random.normal(ks[2], (b, 1, kh, g, d), jnp.float32)).astype(jnp.bfloat16)
+    q_pos = jax.random.randint(ks[3], (b,), s // 2, s)
+    idx = jax.random.randint(ks[4], (L, b, K), 0, s // 2)
+    sinks = 2 + jax.random.normal(ks[5], (kh, g), jnp.float32)
+    errs = []
+    for count, tail_start in ((jnp.full((L, b), K), q_pos - 12),
+                              (jnp.zeros((L, b), jnp.int32), jnp.maximum(q_pos - W + 1, 0))):
+        args = (q, kc, vc, jnp.int32(L - 1), idx, count, tail_start, q_pos)
+        kw = dict(tail_len=W, idx_layer=jnp.int32(1), sinks=sinks)
+        out = jax.jit(lambda *a: sparse_attention(*a, **kw))(*args)
+        ref = jax.jit(lambda *a: sparse_attention_reference(*a, **kw))(*args)
+        errs.append(rel(out, ref))
+    return max(errs)
+
+
 def main() -> int:
     key = jax.random.PRNGKey(0)
     bad = 0
@@ -122,6 +163,17 @@ def main() -> int:
         err = check_verify(case, jax.random.fold_in(key, 100 + i))
         bad += err > 2e-2
         print(f"verify {case} rel err {err:.2e} {'ok' if err <= 2e-2 else 'FAIL'}")
+    # gpt-oss-20b shapes: 8 KV heads of 8 query heads, head dim 64, window 128
+    for i, case in enumerate([(4, 8, 8, 64, 8192, 1, None, 128, "none", (0,)),
+                              (16, 8, 8, 64, 8192, 7, None, 128, "mean", (0, 6)),
+                              (4, 8, 8, 64, 8192, 7, None, 0, "rows", tuple(range(7))),
+                              (2, 8, 8, 64, 2048, 1500, 0, 128, "mean", (1499,))]):
+        err = check_window(case, jax.random.fold_in(key, 200 + i))
+        bad += err > 2e-2
+        print(f"window+sinks {case} rel err {err:.2e} {'ok' if err <= 2e-2 else 'FAIL'}")
+    err = check_sparse_sinks(jax.random.fold_in(key, 300))
+    bad += err > 2e-2
+    print(f"sparse+sinks gpt-oss rel err {err:.2e} {'ok' if err <= 2e-2 else 'FAIL'}")
     return 1 if bad else 0
 
 

@@ -79,3 +79,17 @@ def combine_splits(o, m, l, *, base2: bool = False):
     out = (o * w[..., None]).sum(axis=2) / lsafe[..., None]
     lse = mx + (jnp.log2(lsafe) if base2 else jnp.log(lsafe))
     return out, lse
+
+
+def with_sinks(out, lse, sinks, *, base2: bool = False):
+    """A finished softmax's output and LSE once one more logit per row joins the
+    denominator without a value (gpt-oss's attention sinks): out [..., R, d] scales by
+    exp(lse) / (exp(lse) + exp(sink)) = sigmoid(lse - sink), and the LSE becomes
+    logaddexp(lse, sink). lse [..., R] (log2 units when base2), sinks [..., R] natural-log
+    logits broadcastable to it. Rows that saw no key (lse very negative) get out 0 and the
+    sink's LSE. Returns (out fp32, lse) in lse's units."""
+    s = sinks.astype(jnp.float32) * (1.4426950408889634 if base2 else 1.0)
+    lse = lse.astype(jnp.float32)
+    new = jnp.logaddexp2(lse, s) if base2 else jnp.logaddexp(lse, s)
+    scale = jnp.exp2(lse - new) if base2 else jnp.exp(lse - new)
+    return out.astype(jnp.float32) * scale[..., None], new

@@ -25,7 +25,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
-from pallas_kernels.common import NEG, combine_splits, dot, pow2_at_least, whole
+from pallas_kernels.common import NEG, combine_splits, dot, pow2_at_least, whole, with_sinks
 
 
 def gather_rows(cache, layer, idx):
@@ -44,8 +44,10 @@ def _at_layer(idx, count, idx_layer):
 
 
 def sparse_attention_reference(q, k_cache, v_cache, layer, idx, count, tail_start, q_pos,
-                               *, tail_len, idx_layer=None):
-    """Gather-then-attend in plain XLA. Returns out [b, 1, k, g, d]."""
+                               *, tail_len, idx_layer=None, sinks=None):
+    """Gather-then-attend in plain XLA. sinks [k, g] or None: one more logit per query
+    head in the softmax's denominator, with no value (gpt-oss). Returns out
+    [b, 1, k, g, d]."""
     idx, count = _at_layer(idx, count, idx_layer)
     b, _, kh, g, d = q.shape
     s = k_cache.shape[3]
@@ -64,7 +66,11 @@ def sparse_attention_reference(q, k_cache, v_cache, layer, idx, count, tail_star
     logits = jnp.einsum("bkgd,bksd->bkgs", q[:, 0].astype(jnp.float32), keys.astype(jnp.float32),
                         precision=lax.Precision.HIGHEST)
     logits = jnp.where(ok[:, :, None, :], logits * d**-0.5, -jnp.inf)  # [b, k, g, K + W]
-    w = jax.nn.softmax(logits, axis=-1)
+    if sinks is None:
+        w = jax.nn.softmax(logits, axis=-1)
+    else:
+        lse = jnp.logaddexp(jax.nn.logsumexp(logits, axis=-1), sinks.astype(jnp.float32))
+        w = jnp.exp(logits - lse[..., None])  # [b, k, g, K + W]
     out = jnp.einsum("bkgs,bksd->bkgd", w, vals.astype(jnp.float32),
                      precision=lax.Precision.HIGHEST)
     return out[:, None].astype(q.dtype)
@@ -251,8 +257,10 @@ def _index_inputs(b, idx, count, idx_layer):
 
 
 def sparse_attention(q, k_cache, v_cache, layer, idx, count, tail_start, q_pos, *, tail_len,
-                     idx_layer=None, interpret=False, blocks: SparseBlocks = SparseBlocks()):
-    """Pallas (Triton) op with exactly `sparse_attention_reference`'s semantics.
+                     idx_layer=None, sinks=None, interpret=False,
+                     blocks: SparseBlocks = SparseBlocks()):
+    """Pallas (Triton) op with exactly `sparse_attention_reference`'s semantics (sinks
+    enter in the combine, `with_sinks`).
 
     Returns out [b, 1, k, g, d] in q.dtype.
     """
@@ -294,7 +302,9 @@ def sparse_attention(q, k_cache, v_cache, layer, idx, count, tail_start, q_pos, 
         name="vegas_sparse_attention",
     )(*scalars, qr, idx4, cnt3, tail_start.astype(jnp.int32),
       q_pos.astype(jnp.int32), k_cache, v_cache)
-    out, _ = combine_splits(o, m, l)  # [b, kh, rows, d]
+    out, lse = combine_splits(o, m, l)  # [b, kh, rows, d], [b, kh, rows]
+    if sinks is not None:  # padded rows get the last head's sink: never read
+        out, _ = with_sinks(out, lse, jnp.pad(sinks, ((0, 0), (0, rows - g)), mode="edge"))
     return out[:, None, :, :g].astype(q.dtype)
 
 

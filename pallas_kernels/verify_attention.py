@@ -9,6 +9,11 @@ index, so no per-layer slab is copied); q_pos [b, t] (row t sees keys s <= q_pos
 Scores: [b, s] fp32 for capture="mean" (mean over heads and capture rows), [b, r, s] for
 capture="rows" (mean over heads, one per capture row), [b, k, s] for capture="heads" (mean
 over capture rows and each KV head's query heads: a selection per KV head).
+
+gpt-oss extras: window (an int32 scalar, may be traced; 0 = none): row t sees only keys
+q_pos - window < s <= q_pos; sinks [k, g] fp32: one more logit per query head in the
+softmax's denominator, with no value (the weights of the keys sum to less than one; the
+captured weights are those).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from jax.experimental.pallas import triton as pltr
 
 from pallas_kernels.common import (
     NEG, SMEM_BYTES, combine_splits, dot, key_splits, pow2_at_least, sm_count, wave_splits,
-    whole,
+    whole, with_sinks,
 )
 
 CAPTURE_MODES = ("none", "mean", "rows", "heads")
@@ -56,7 +61,7 @@ def _scores_from_logits(logits, lse, valid, rows, score, capture):
 
 def verify_attention_reference(
     q, k_cache, v_cache, layer, q_pos, *, capture="none", capture_rows=(0,),
-    score="weight", query_chunk=512,
+    score="weight", query_chunk=512, window=None, sinks=None,
 ):
     """Plain-XLA reference. Returns (out [b, t, k, g, d], scores or None)."""
     _check_modes(capture, score)
@@ -71,9 +76,15 @@ def verify_attention_reference(
         logits = jnp.einsum("bckgd,bksd->bkgcs", qc.astype(jnp.float32), k.astype(jnp.float32),
                             precision=lax.Precision.HIGHEST)
         logits = logits * scale  # [b, k, g, c, s]
-        valid = jnp.arange(s)[None, None, None, None, :] <= pc[:, None, None, :, None]
+        pos = pc[:, None, None, :, None]
+        keys = jnp.arange(s)[None, None, None, None, :]
+        valid = keys <= pos
+        if window is not None:
+            valid &= (window <= 0) | (keys > pos - window)
         logits = jnp.where(valid, logits, -jnp.inf)
         lse = jax.nn.logsumexp(logits, axis=-1)  # [b, k, g, c]
+        if sinks is not None:  # the sink joins the denominator only
+            lse = jnp.logaddexp(lse, sinks.astype(jnp.float32)[None, :, :, None])
         w = jnp.exp(logits - lse[..., None])
         out = jnp.einsum("bkgcs,bksd->bckgd", w, v.astype(jnp.float32),
                          precision=lax.Precision.HIGHEST)
@@ -145,9 +156,13 @@ class VerifyBlocks:
     waves: bool = True  # more splits (up to 1.5x) where they fill the grid's last wave
 
 
-def _verify_kernel(layer_ref, q_ref, rowpos_ref, k_ref, v_ref, *refs, block_k, split_len,
-                   s_len, scale, rows, kh, normalize, cap):
+def _verify_kernel(layer_ref, *refs, block_k, split_len, s_len, scale, rows, kh, normalize,
+                   cap, windowed=False):
     """Flash-decoding over one key split.
+
+    windowed (static): a [1] window input follows layer_ref; each row then sees keys
+    rp - window < s <= rp (window 0: all), and the program starts at the first key block
+    any of its rows sees.
 
     cap (static) describes the score capture or is None:
       ("logits", n_cap, crow): store the raw scaled logits of the n_cap capture rows
@@ -159,10 +174,12 @@ def _verify_kernel(layer_ref, q_ref, rowpos_ref, k_ref, v_ref, *refs, block_k, s
         weighting capture row r by weights[i][r]; buffer [b * kh * n_out, s_pad].
     The capture rows get their own small product (a [crow, d] x [d, block_k] dot), so the
     store covers only them instead of the whole accumulator tile."""
-    # layer_ref [1]; q_ref [rows, d]; rowpos_ref [rows] (-1 = padding row);
+    # layer_ref [1]; (win_ref [1]); q_ref [rows, d]; rowpos_ref [rows] (-1 = padding row);
     # k_ref, v_ref [L, b, k, s, d]; with cap: qc_ref [crow, d], rpc_ref [crow];
     # o_ref [rows, d], m_ref, l_ref [rows]; cap_ref [b * k * n_cap + crow, s_pad] ("logits")
     # or [b * k * n_out, s_pad] ("sum")
+    win_ref, refs = (refs[0], refs[1:]) if windowed else (None, refs)
+    q_ref, rowpos_ref, k_ref, v_ref, *refs = refs
     if cap is not None:
         qc_ref, rpc_ref, o_ref, m_ref, l_ref, cap_ref = refs
     else:
@@ -179,6 +196,13 @@ def _verify_kernel(layer_ref, q_ref, rowpos_ref, k_ref, v_ref, *refs, block_k, s
     start = j * split_len
     # causal block skipping: no row of this program sees past max(rp)
     end = jnp.minimum(jnp.minimum(start + split_len, jnp.max(rp) + 1), s_len)
+    if windowed:
+        win = win_ref[0]
+        lo = jnp.where(win > 0, rp - win, -1)  # [rows]: row r sees keys lo[r] < s <= rp[r]
+        # ... nor before the first of its rows' windows (block-aligned: the capture stores
+        # whole key blocks)
+        first = jnp.min(jnp.where(rp >= 0, lo + 1, s_len))
+        start = jnp.maximum(start, first // block_k * block_k)
     nblk = pl.cdiv(jnp.maximum(end - start, 0), block_k)
     kr = jnp.arange(block_k, dtype=jnp.int32)
     if cap is not None:
@@ -194,7 +218,10 @@ def _verify_kernel(layer_ref, q_ref, rowpos_ref, k_ref, v_ref, *refs, block_k, s
             pltr.store(cap_ref.at[pl.ds((bi * kh + h) * n_cap, crow), pl.ds(k0, block_k)],
                        val, mask=(rc < n_cap)[:, None])
         else:
-            qk = jnp.where(kidx[None, :] <= rpc[:, None], qk, 0.0)
+            seen = kidx[None, :] <= rpc[:, None]
+            if windowed:
+                seen &= kidx[None, :] > jnp.where(win > 0, rpc - win, -1)[:, None]
+            qk = jnp.where(seen, qk, 0.0)
             weights = cap[3]
             for i, wts in enumerate(weights):
                 w = jnp.zeros((crow,), jnp.float32)  # [crow]
@@ -216,6 +243,8 @@ def _verify_kernel(layer_ref, q_ref, rowpos_ref, k_ref, v_ref, *refs, block_k, s
             pl.when(qb == 0)(lambda: capture(k, k0, kidx))
         qk = dot(q, k, trans_b=True) * scale  # [rows, block_k] fp32, log2 units
         vis = kidx[None, :] <= rp[:, None]
+        if windowed:
+            vis &= kidx[None, :] > lo[:, None]
         qk = jnp.where(vis, qk, NEG)
         m_new = jnp.maximum(m, qk.max(axis=-1))
         corr = jnp.exp2(m - m_new)
@@ -239,9 +268,10 @@ def _verify_kernel(layer_ref, q_ref, rowpos_ref, k_ref, v_ref, *refs, block_k, s
 
 
 def _verify_call(layer, qr, rowpos, k_cache, v_cache, *, rows, n_splits, split_len, blocks,
-                 interpret, out_dtype, cap=None, qc=None, rpc=None):
+                 interpret, out_dtype, cap=None, qc=None, rpc=None, window=None):
     """qr [b, kh, nqb*rows, d]; rowpos [b, nqb*rows]; with cap (see `_verify_kernel`) also
-    qc [b, kh, crow, d] (the capture rows) and rpc [b, crow] (their positions, -1 = pad).
+    qc [b, kh, crow, d] (the capture rows) and rpc [b, crow] (their positions, -1 = pad);
+    window: an int32 scalar (0: none) or None (no window input).
     blocks: resolved (block_k, num_warps, num_stages set). Returns o [b, kh, J, R, d],
     m, l [b, kh, J, R] (log2 units), cap buffer | None."""
     b, kh, rtot, d = qr.shape
@@ -252,7 +282,8 @@ def _verify_call(layer, qr, rowpos, k_cache, v_cache, *, rows, n_splits, split_l
     normalize = n_splits == 1
     kernel = functools.partial(
         _verify_kernel, block_k=block_k, split_len=split_len, s_len=s_len,
-        scale=d**-0.5 * _LOG2E, rows=rows, kh=kh, normalize=normalize, cap=cap)
+        scale=d**-0.5 * _LOG2E, rows=rows, kh=kh, normalize=normalize, cap=cap,
+        windowed=window is not None)
     out_shape = [  # o [b, kh, J, R, d], m, l [b, kh, J, R]
         jax.ShapeDtypeStruct((b, kh, n_splits, rtot, d), out_dtype if normalize else jnp.float32),
         jax.ShapeDtypeStruct((b, kh, n_splits, rtot), jnp.float32),
@@ -263,14 +294,17 @@ def _verify_call(layer, qr, rowpos, k_cache, v_cache, *, rows, n_splits, split_l
         pl.BlockSpec((None, None, None, rows), lambda bi, h, qb, j: (bi, h, j, qb)),
         pl.BlockSpec((None, None, None, rows), lambda bi, h, qb, j: (bi, h, j, qb)),
     ]
+    scalars = [jnp.reshape(layer, (1,)).astype(jnp.int32)]
+    if window is not None:
+        scalars.append(jnp.reshape(window, (1,)).astype(jnp.int32))
     in_specs = [
-        whole((1,)),
+        *[whole((1,))] * len(scalars),
         pl.BlockSpec((None, None, rows, d), lambda bi, h, qb, j: (bi, h, qb, 0)),
         pl.BlockSpec((None, rows), lambda bi, h, qb, j: (bi, qb)),
         whole(k_cache.shape),  # indexed at `layer` in the kernel
         whole(v_cache.shape),
     ]
-    args = [jnp.reshape(layer, (1,)).astype(jnp.int32), qr, rowpos, k_cache, v_cache]
+    args = [*scalars, qr, rowpos, k_cache, v_cache]
     if cap is not None:
         crow = cap[2]
         in_specs += [pl.BlockSpec((None, None, crow, d), lambda bi, h, qb, j: (bi, h, 0, 0)),
@@ -317,14 +351,17 @@ def _capture_weights(capture, kh, g, uniq, cap_list, mult):
     return w.astype(np.float32)
 
 
-def capture_scores_reference(cbuf, lse, rowpos, w, s):
+def capture_scores_reference(cbuf, lse, rowpos, w, s, rowlo=None):
     """cbuf [b * R + spare, s_pad] captured log2-unit logits (rows of sequence b at b * R ..),
-    lse [b, R] their rows' log2 LSE, rowpos [b, R] their positions (-1: none), w [n_out, R].
+    lse [b, R] their rows' log2 LSE, rowpos [b, R] their positions (-1: none), w [n_out, R];
+    rowlo [b, R] or None: each row sees only keys after it (a sliding window).
     Returns [b, n_out, s] fp32: sum_r w[o, r] * exp2(logit - lse) over keys <= the row's
-    position (keys past it hold stale or never written logits)."""
+    position (keys past it hold stale or never written logits, as keys before a window)."""
     b, r = lse.shape
     logits = cbuf[: b * r, :s].reshape(b, r, s).astype(jnp.float32)
     valid = jnp.arange(s)[None, None, :] <= rowpos[:, :, None]
+    if rowlo is not None:
+        valid &= jnp.arange(s)[None, None, :] > rowlo[:, :, None]
     p = jnp.where(valid, jnp.exp2(logits - lse[:, :, None]), 0.0)  # [b, R, s]
     return jnp.einsum("or,brs->bos", jnp.asarray(w), p, precision=lax.Precision.HIGHEST)
 
@@ -355,10 +392,12 @@ class CaptureBlocks:
             raise ValueError(f"reduce must be 'dot' or 'sum', got {self.reduce!r}")
 
 
-def _capture_scores_kernel(cbuf_ref, lse_ref, rp_ref, w_ref, o_ref, *, r, n_out, block_s,
-                           steps, s_len, reduce):
+def _capture_scores_kernel(cbuf_ref, lse_ref, rp_ref, w_ref, *refs, r, n_out, block_s,
+                           steps, s_len, reduce, windowed=False):
     # cbuf_ref [b * r + spare, s_pad]; lse_ref, rp_ref [b, RP]; w_ref [NO, RP];
+    # (rl_ref [b, RP] when windowed: each row sees keys > rl);
     # o_ref [NO, steps * block_s] ("dot") or [n_out, steps * block_s] ("sum")
+    rl_ref, o_ref = refs if windowed else (None, refs[0])
     bi, sj = pl.program_id(0), pl.program_id(1)
     rp_n = lse_ref.shape[1]
     rows = jnp.arange(rp_n, dtype=jnp.int32)
@@ -372,6 +411,8 @@ def _capture_scores_kernel(cbuf_ref, lse_ref, rp_ref, w_ref, o_ref, *, r, n_out,
         logits = pltr.load(cbuf_ref.at[pl.ds(bi * r, rp_n), pl.ds(c0, block_s)],
                            mask=ok, other=0.0).astype(jnp.float32)  # [RP, block_s]
         vis = ok & (cols[None, :] <= rp[:, None])
+        if windowed:
+            vis &= cols[None, :] > rl_ref[bi, :][:, None]
         p = jnp.where(vis, jnp.exp2(logits - lse[:, None]), 0.0)
         if reduce == "dot":
             o_ref[:, pl.ds(c * block_s, block_s)] = dot(w_ref[...], p)  # [NO, block_s]
@@ -387,8 +428,8 @@ def _capture_scores_kernel(cbuf_ref, lse_ref, rp_ref, w_ref, o_ref, *, r, n_out,
         lax.fori_loop(0, steps, step, 0)
 
 
-def capture_scores(cbuf, lse, rowpos, w, s, *, blocks: CaptureBlocks = CaptureBlocks(),
-                   interpret=False):
+def capture_scores(cbuf, lse, rowpos, w, s, rowlo=None, *,
+                   blocks: CaptureBlocks = CaptureBlocks(), interpret=False):
     """`capture_scores_reference` as one Pallas (Triton) kernel a layer: programs over
     (sequence, key range), each reads its rows' logits once. (In XLA the 30 layers'
     epilogues were fused into one multi-output loop fusion with the reductions inlined:
@@ -404,18 +445,22 @@ def capture_scores(cbuf, lse, rowpos, w, s, *, blocks: CaptureBlocks = CaptureBl
     lse_p = jnp.pad(lse.astype(jnp.float32), ((0, 0), (0, rp_n - r)))
     rp_p = jnp.pad(rowpos.astype(jnp.int32), ((0, 0), (0, rp_n - r)), constant_values=-1)
     w_p = jnp.pad(jnp.asarray(w, jnp.float32), ((0, no - n_out), (0, rp_n - r)))
+    extra = [] if rowlo is None else [
+        jnp.pad(rowlo.astype(jnp.int32), ((0, 0), (0, rp_n - r)), constant_values=-1)]
     out = pl.pallas_call(
         functools.partial(_capture_scores_kernel, r=r, n_out=n_out, block_s=block_s,
-                          steps=steps, s_len=s, reduce=blocks.reduce),
+                          steps=steps, s_len=s, reduce=blocks.reduce,
+                          windowed=rowlo is not None),
         grid=(b, nsb),
-        in_specs=[whole(cbuf.shape), whole((b, rp_n)), whole((b, rp_n)), whole((no, rp_n))],
+        in_specs=[whole(cbuf.shape), whole((b, rp_n)), whole((b, rp_n)), whole((no, rp_n)),
+                  *[whole((b, rp_n))] * len(extra)],
         out_specs=pl.BlockSpec((None, rows_out, cols), lambda bi, sj: (bi, 0, sj)),
         out_shape=jax.ShapeDtypeStruct((b, rows_out, nsb * cols), jnp.float32),
         compiler_params=pltr.CompilerParams(num_warps=blocks.num_warps,
                                             num_stages=blocks.num_stages),
         interpret=interpret,
         name="vegas_capture_scores",
-    )(cbuf, lse_p, rp_p, w_p)
+    )(cbuf, lse_p, rp_p, w_p, *extra)
     return out[:, :n_out, :s]
 
 
@@ -454,14 +499,16 @@ def _prefill_cudnn(q, k_cache, v_cache, layer):
 def verify_attention(
     q, k_cache, v_cache, layer, q_pos, *, capture="none", capture_rows=(0,), score="weight",
     interpret=False, blocks: VerifyBlocks = VerifyBlocks(), prefill_impl="pallas",
-    epilogue="pallas",
+    epilogue="pallas", window=None, sinks=None,
 ):
     """Pallas (Triton) op with exactly `verify_attention_reference`'s semantics.
 
     Returns (out [b, t, k, g, d] in q.dtype, scores | None). prefill_impl: "pallas" |
     "cudnn", the latter only for prompts that start at position 0 (q_pos[b, i] == i).
     epilogue: the softmax-weight capture's reduction as a Pallas kernel ("pallas") or in
-    XLA ("xla", `capture_scores_reference`).
+    XLA ("xla", `capture_scores_reference`). window: the kernel skips the key blocks
+    before its rows' windows and masks inside them; sinks join the LSE after the combine
+    (`with_sinks`), before the captured weights are taken from it.
     """
     _check_modes(capture, score)
     b, t, kh, g, d = q.shape
@@ -471,6 +518,9 @@ def verify_attention(
     mult = [cap_list.count(u) / len(cap_list) for u in uniq]  # each unique row's share
 
     if prefill_impl == "cudnn" and t * g > blocks.max_rows:
+        if window is not None or sinks is not None:
+            raise NotImplementedError("the cuDNN prefill has no sliding window or sinks here: "
+                                      "use prefill_impl='pallas'")
         out = _prefill_cudnn(q, k_cache, v_cache, layer)
         if capture == "none":
             return out, None
@@ -534,13 +584,18 @@ def verify_attention(
 
     o, m, l, cbuf = _verify_call(
         layer, qr, rp, k_cache, v_cache, rows=rows, n_splits=n_splits, split_len=split_len,
-        blocks=resolved, interpret=interpret, out_dtype=q.dtype, cap=cap, qc=qc, rpc=rpc)
+        blocks=resolved, interpret=interpret, out_dtype=q.dtype, cap=cap, qc=qc, rpc=rpc,
+        window=window)
 
     if n_splits == 1:  # the kernel normalised already; m holds the LSE
         out = o[:, :, 0]  # [b, k, R, d]
         lse = m[:, :, 0]  # [b, k, R], log2 units
     else:
         out, lse = combine_splits(o, m, l, base2=True)
+        out = out.astype(q.dtype)
+    if sinks is not None:  # each row's head's sink (row = token * g + head in a block)
+        per_block = jnp.pad(jnp.tile(sinks, (1, tq)), ((0, 0), (0, rows - tq * g)))
+        out, lse = with_sinks(out, lse, jnp.tile(per_block, (1, nqb))[None], base2=True)
         out = out.astype(q.dtype)
     out = out.reshape(b, kh, nqb, rows, d)[:, :, :, : tq * g]
     out = out.reshape(b, kh, tpad, g, d)[:, :, :t].transpose(0, 2, 1, 3, 4)  # [b, t, k, g, d]
@@ -551,22 +606,34 @@ def verify_attention(
 
     pos_c = q_pos[:, jnp.array(uniq)].astype(jnp.int32)  # [b, nu]
     ar = jnp.arange(s, dtype=jnp.int32)
+    # each capture row sees keys after lo_c: keys before the window were masked or, in
+    # blocks before every row's window, never written
+    lo_c = None if window is None else jnp.where(window > 0, pos_c - window, -1)  # [b, nu]
     if cap[0] == "logits":
         # weights exp2(logit - lse) of the capture rows, reduced to the scores
         w = _capture_weights(capture, kh, g, uniq, cap_list, mult)
         lse_c = lse[:, :, :n_cap].reshape(b, kh * n_cap)
         rowpos = jnp.tile(jnp.repeat(pos_c, g, axis=1), (1, kh))  # [b, kh * n_cap]
+        rowlo = None if lo_c is None else jnp.tile(jnp.repeat(lo_c, g, axis=1), (1, kh))
         fn = capture_scores_reference if epilogue == "xla" else functools.partial(
             capture_scores, interpret=interpret)
-        sc = fn(cbuf, lse_c, rowpos, w, s)  # [b, n_out, s]
+        sc = fn(cbuf, lse_c, rowpos, w, s, rowlo)  # [b, n_out, s]
         return out, sc[:, 0] if capture == "mean" else sc
     n_out = len(cap[3])  # tot below: [b, n_out, s]
+    # keys past every capture row's position (or before every row's window) were never
+    # written: [b, s]
+    written = ar[None, :] <= pos_c.max(axis=1)[:, None]
+    if lo_c is not None:
+        written &= ar[None, :] > lo_c.min(axis=1)[:, None]
     # the kernel summed log2-unit logits: _LN2 converts back to natural-log logits
-    if capture == "heads":  # [b, kh, s]: keys past every capture row were never written
+    if capture == "heads":  # [b, kh, s]
         per = cbuf.reshape(b, kh, n_out, -1)[:, :, 0, :s] * (_LN2 / g)
-        return out, jnp.where(ar[None, None, :] <= pos_c.max(axis=1)[:, None, None], per, 0.0)
+        return out, jnp.where(written[:, None, :], per, 0.0)
     tot = cbuf.reshape(b, kh, n_out, -1)[..., :s].sum(axis=1) * (_LN2 / (kh * g))
-    if capture == "mean":  # keys past every capture row's position were never written
-        return out, jnp.where(ar[None, :] <= pos_c.max(axis=1)[:, None], tot[:, 0], 0.0)
-    tot = jnp.where(ar[None, None, :] <= pos_c[:, :, None], tot, 0.0)  # [b, nu, s]
+    if capture == "mean":
+        return out, jnp.where(written, tot[:, 0], 0.0)
+    seen = ar[None, None, :] <= pos_c[:, :, None]  # [b, nu, s]
+    if lo_c is not None:
+        seen &= ar[None, None, :] > lo_c[:, :, None]
+    tot = jnp.where(seen, tot, 0.0)  # [b, nu, s]
     return out, tot[:, jnp.array([uniq.index(r) for r in cap_list])]

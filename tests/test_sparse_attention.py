@@ -62,6 +62,31 @@ def test_sparse_matches_reference(case):
     np.testing.assert_allclose(out, np.asarray(ref, np.float32), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("per_head,g,none_selected", [(False, 3, False), (True, 1, True)])
+def test_sinks_match_reference(per_head, g, none_selected):
+    """gpt-oss's sinks (one logit per query head in the denominator) enter at the combine;
+    a sliding layer's draft selects nothing and reads its window as the tail."""
+    L, b, kh, d, s, K, W = 2, 2, 2, 64, 200, 24, 40
+    ks = jax.random.split(jax.random.PRNGKey(g), 6)
+    kc = jax.random.normal(ks[0], (L, b, kh, s, d), jnp.float32)
+    vc = jax.random.normal(ks[1], (L, b, kh, s, d), jnp.float32)
+    q = 2.0 * jax.random.normal(ks[2], (b, 1, kh, g, d), jnp.float32)
+    q_pos = jnp.array([120, 190], jnp.int32)
+    tail_start = q_pos - W + 1
+    ish = (b, kh, K) if per_head else (b, K)
+    idx = jax.random.randint(ks[4], ish, 0, 80)
+    count = jnp.full(ish[:-1], 0 if none_selected else K, jnp.int32)
+    sinks = 5.0 + 2.0 * jax.random.normal(ks[5], (kh, g), jnp.float32)  # near the LSE
+    layer = jnp.int32(1)
+    args = (q, kc, vc, layer, idx, count, tail_start, q_pos)
+    ref = sparse_attention_reference(*args, tail_len=W, sinks=sinks)
+    out = sparse_attention(*args, tail_len=W, sinks=sinks, interpret=True,
+                           blocks=SparseBlocks(block_k=16, target_programs=3 * b * kh))
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-4, rtol=1e-4)
+    plain = sparse_attention_reference(*args, tail_len=W)
+    assert np.abs(np.asarray(plain) - np.asarray(ref)).max() > 0.05
+
+
 @pytest.mark.parametrize("per_head", [False, True])
 def test_lowers_for_cuda(per_head):
     L, b, kh, g, d, s, K = 2, 2, 8, 4, 128, 4096, 300
@@ -72,6 +97,13 @@ def test_lowers_for_cuda(per_head):
         sd((b, 1, kh, g, d), jnp.bfloat16), sd((L, b, kh, s, d), jnp.bfloat16),
         sd((L, b, kh, s, d), jnp.bfloat16), sd((), jnp.int32), sd(ish, jnp.int32),
         sd(ish[:-1], jnp.int32), sd((b,), jnp.int32), sd((b,), jnp.int32))
+    assert "xla.gpu.triton" in txt
+    txt = lower_cuda(  # with gpt-oss's sinks at the combine
+        lambda *a: sparse_attention(*a[:-1], tail_len=128, sinks=a[-1]),
+        sd((b, 1, kh, g, d), jnp.bfloat16), sd((L, b, kh, s, d), jnp.bfloat16),
+        sd((L, b, kh, s, d), jnp.bfloat16), sd((), jnp.int32), sd(ish, jnp.int32),
+        sd(ish[:-1], jnp.int32), sd((b,), jnp.int32), sd((b,), jnp.int32),
+        sd((kh, g), jnp.float32))
     assert "xla.gpu.triton" in txt
 
 # (b, kh, g, d, s, K, tail_len, qk_norm, dtype, unsplit): the whole draft attention block

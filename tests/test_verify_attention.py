@@ -74,6 +74,43 @@ def test_verify_matches_reference(case):
     _check(out, ref, dtype)
 
 
+# gpt-oss: a sliding window (narrower than the cache, so whole key blocks and splits fall
+# before it) and sinks, with every capture reduction and both scores; decode, verify and
+# a prefill of many query blocks.
+WINDOW_CASES = [  # (b, kh, g, s, t, base, window, capture, rows, score, dtype)
+    (2, 2, 4, 97, 1, (40, 90), 20, "none", (0,), "weight", jnp.float32),
+    (2, 2, 4, 131, 4, (3, 120), 24, "mean", (0, 3), "weight", jnp.float32),
+    (3, 1, 8, 77, 7, (0, 33, 70), 9, "rows", (0, 6), "weight", jnp.float32),
+    (2, 2, 4, 90, 4, (5, 80), 30, "mean", (0, 3, 3), "logit", jnp.float32),
+    (2, 3, 3, 120, 5, (30, 100), 17, "heads", (0, 4), "weight", jnp.bfloat16),
+    (2, 2, 4, 200, 4, (150, 17), 0, "rows", (0, 3), "logit", jnp.float32),  # 0: a full layer
+    (2, 2, 4, 90, 37, (0, 50), 12, "mean", (36, 0), "weight", jnp.float32),  # prefill
+]
+
+
+@pytest.mark.parametrize("case", WINDOW_CASES, ids=[f"w{i}" for i in range(len(WINDOW_CASES))])
+def test_window_and_sinks_match_reference(case):
+    b, kh, g, s, t, base, window, capture, rows, score, dtype = case
+    q, kc, vc, q_pos = _inputs(s + t, 2, b, kh, g, 64, s, t, dtype, base)
+    sinks = 2.0 * jax.random.normal(jax.random.PRNGKey(t), (kh, g), jnp.float32)
+    kw = dict(capture=capture, capture_rows=rows, score=score, sinks=sinks,
+              window=jnp.int32(window))
+    blocks = VerifyBlocks(block_k=16, min_split=32, target_programs=4 * b * kh, max_rows=16,
+                          row_block=32)
+    layer = jnp.int32(1)
+    out = verify_attention(q, kc, vc, layer, q_pos, interpret=True, blocks=blocks, **kw)
+    ref = verify_attention_reference(q, kc, vc, layer, q_pos, **kw)
+    _check(out, ref, dtype)
+    if capture != "none" and score == "weight":  # the XLA epilogue agrees too
+        out = verify_attention(q, kc, vc, layer, q_pos, interpret=True, blocks=blocks,
+                               epilogue="xla", **kw)
+        _check(out, ref, dtype)
+    # the sinks and the window are both felt: without them the output differs
+    plain = verify_attention_reference(q, kc, vc, layer, q_pos, capture=capture,
+                                       capture_rows=rows, score=score)
+    assert np.abs(np.asarray(plain[0], np.float32) - np.asarray(ref[0], np.float32)).max() > 0.05
+
+
 @pytest.mark.parametrize("capture,score", [("none", "weight"), ("mean", "weight"),
                                            ("rows", "logit")])
 def test_prefill_query_blocks(capture, score):
@@ -145,6 +182,22 @@ def test_lowers_for_cuda(t, capture):
         functools.partial(verify_attention, capture=capture, capture_rows=(0, t - 1)),
         sd((b, t, kh, g, d), jnp.bfloat16), sd((L, b, kh, s, d), jnp.bfloat16),
         sd((L, b, kh, s, d), jnp.bfloat16), sd((), jnp.int32), sd((b, t), jnp.int32))
+    assert "xla.gpu.triton" in txt
+
+
+@pytest.mark.parametrize("t,capture,score", [(1, "none", "weight"), (7, "mean", "weight"),
+                                             (7, "rows", "logit"), (300, "mean", "weight")])
+def test_window_and_sinks_lower_for_cuda(t, capture, score):
+    """gpt-oss's window (a traced scalar) and sinks through the Triton lowering."""
+    L, b, kh, g, d, s = 2, 2, 8, 8, 64, 4096
+    sd = jax.ShapeDtypeStruct
+    txt = lower_cuda(
+        lambda q, kc, vc, layer, pos, w, sk: verify_attention(
+            q, kc, vc, layer, pos, capture=capture, capture_rows=(0, t - 1), score=score,
+            window=w, sinks=sk),
+        sd((b, t, kh, g, d), jnp.bfloat16), sd((L, b, kh, s, d), jnp.bfloat16),
+        sd((L, b, kh, s, d), jnp.bfloat16), sd((), jnp.int32), sd((b, t), jnp.int32),
+        sd((), jnp.int32), sd((kh, g), jnp.float32))
     assert "xla.gpu.triton" in txt
 
 

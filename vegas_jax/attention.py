@@ -103,9 +103,18 @@ def per_device(fn, xc, in_specs, out_specs):
                          check_vma=False)
 
 
-def attention(plan: AttnPlan, xc, q, k_cache, v_cache, layer, positions):
+def attention(plan: AttnPlan, xc, q, k_cache, v_cache, layer, positions, *, window=None,
+              sinks=None, slot=None):
     """q [b, t, k, g, d]; cache [L, b, k, s, d]; positions [b, t]. `layer` indexes the
-    cache (and the plan's per-layer inputs). Returns (out [b, t, k, g, d], scores | None)."""
+    cache. Returns (out [b, t, k, g, d], scores | None).
+
+    gpt-oss layers differ beyond their weights: window (int32 scalar, traced) is the
+    number of positions a query sees, its own included (0: all before it); sinks [k, g]
+    one logit per query head in the softmax's denominator; slot (int32 scalar) the row
+    of the plan's per-layer selection this layer reads (None: `layer`, every layer has
+    one). In a sparse draft a windowed layer reads its window as the tail and nothing
+    selected: the window is already at most `window` reads (the caller makes the plan's
+    tail that long, `model.forward`)."""
     if plan.mode == "causal":
         if skips(plan, xc):  # rows at position -1 see no key: nothing is read
             positions = jnp.where(plan.active[:, None], positions, -1)
@@ -119,33 +128,55 @@ def attention(plan: AttnPlan, xc, q, k_cache, v_cache, layer, positions):
 
         heads = cap is not None and cap.reduce == "heads"
 
-        def local(q, k_cache, v_cache, layer, positions):
-            out, scores = fn(q, k_cache, v_cache, layer, positions, **kw)
+        names, extra, especs = _extras(window=window, sinks=sinks)
+
+        def local(q, k_cache, v_cache, layer, positions, *extra):
+            out, scores = fn(q, k_cache, v_cache, layer, positions, **kw,
+                             **dict(zip(names, extra)))
             if scores is not None and xc.tp > 1 and xc.attn == "pallas" and not heads:
                 scores = lax.pmean(scores, AXIS)  # every device holds as many heads
             return out, scores
 
         sspec = None if cap is None else P(None, AXIS, None) if heads else REP
-        return per_device(local, xc, (HEADS5, HEADS5, HEADS5, REP, REP), (HEADS5, sspec))(
-            q, k_cache, v_cache, layer, positions)
+        return per_device(local, xc, (HEADS5, HEADS5, HEADS5, REP, REP, *especs),
+                          (HEADS5, sspec))(q, k_cache, v_cache, layer, positions, *extra)
     if plan.mode == "sparse":
-        idx, count, at = plan.idx, plan.count, (layer if plan.layered else 0)
+        at = (layer if slot is None else slot) if plan.layered else 0
+        idx, count, tail_start = plan.idx, plan.count, plan.tail_start
         if plan.picker is not None:
-            idx, count = plan.picker.pick(q, plan.picker_inputs, layer, plan.tail_start)
+            idx, count = plan.picker.pick(q, plan.picker_inputs, layer, tail_start)
             idx, count, at = idx[None], count[None], 0
-        count, tail_start = skipped(plan, xc, count, positions)
+        if window is not None:
+            # a sliding layer: nothing selected, its window as the tail (a full layer's
+            # window is 0 and keeps the plan's)
+            slide = window > 0
+            count = jnp.where(slide, 0, count)
+            tail_start = jnp.where(slide, jnp.maximum(positions[:, 0] - window + 1, 0),
+                                   tail_start)
+        count, tail_start = skipped(plan, xc, count, tail_start, positions)
         fn = sparse_attention if xc.attn == "pallas" else sparse_attention_reference
         ispec, cspec = index_specs(idx)
 
-        def local(q, k_cache, v_cache, layer, idx, count, tail_start, q_pos, at):
-            return fn(q, k_cache, v_cache, layer, idx, count, tail_start, q_pos,
-                      tail_len=plan.tail_len, idx_layer=at)
+        names, extra, especs = _extras(sinks=sinks)
 
-        out = per_device(local, xc, (HEADS5, HEADS5, HEADS5, REP, ispec, cspec, REP, REP, REP),
-                         HEADS5)(q, k_cache, v_cache, layer, idx, count, tail_start,
-                                 positions[:, 0], at)
+        def local(q, k_cache, v_cache, layer, idx, count, tail_start, q_pos, at, *extra):
+            return fn(q, k_cache, v_cache, layer, idx, count, tail_start, q_pos,
+                      tail_len=plan.tail_len, idx_layer=at, **dict(zip(names, extra)))
+
+        out = per_device(local, xc, (HEADS5, HEADS5, HEADS5, REP, ispec, cspec, REP, REP, REP,
+                                     *especs), HEADS5)(
+            q, k_cache, v_cache, layer, idx, count, tail_start, positions[:, 0], at, *extra)
         return out, None
     raise ValueError(f"unknown attention mode {plan.mode!r}")
+
+
+def _extras(**kw):
+    """The per-layer extras given (None dropped: models without them call the kernels as
+    before) as (names, values, tensor-parallel specs): positional arguments through
+    `per_device`, keywords again inside (`dict(zip(names, values))`)."""
+    specs = {"window": REP, "sinks": P(AXIS, None)}  # sinks [k, g]: split with the KV heads
+    names = tuple(k for k, v in kw.items() if v is not None)
+    return names, [kw[k] for k in names], tuple(specs[k] for k in names)
 
 
 def skips(plan: AttnPlan, xc) -> bool:
@@ -154,22 +185,25 @@ def skips(plan: AttnPlan, xc) -> bool:
     return plan.active is not None and xc.attn == "pallas"
 
 
-def skipped(plan: AttnPlan, xc, count, positions):
+def skipped(plan: AttnPlan, xc, count, tail_start, positions):
     """A sparse draft's (count, tail_start) with finished sequences reading nothing: no
     selected entry, and a tail that starts after the query."""
     if not skips(plan, xc):
-        return count, plan.tail_start
+        return count, tail_start
     act = plan.active.reshape((1, -1) + (1,) * (count.ndim - 2))  # against [Li, b, (k)]
     return (jnp.where(act, count, 0),
-            jnp.where(plan.active, plan.tail_start, positions[:, 0] + 1))
+            jnp.where(plan.active, tail_start, positions[:, 0] + 1))
 
 
-def fused_draft(plan: AttnPlan, xc) -> bool:
+def fused_draft(plan: AttnPlan, xc, cfg) -> bool:
     """Whether this forward's attention block runs as `sparse_step` (one kernel a layer):
     sparse drafts with given index lists on the Pallas path (Quest's picker needs the
-    rotated query outside the kernel)."""
+    rotated query outside the kernel), for models without gpt-oss's attention extras
+    (projection biases do not commute with the input norm's row scale the kernel applies,
+    and its in-kernel normalisation has no sink term)."""
     return (plan.mode == "sparse" and plan.picker is None and xc.attn == "pallas"
-            and xc.draft == "fused")
+            and xc.draft == "fused"
+            and not (cfg.attn_bias or cfg.attn_sinks or cfg.sliding_layers))
 
 
 def sparse_block(plan: AttnPlan, xc, cfg, qkv, q_norm, k_norm, rope, k_cache, v_cache, layer,
@@ -188,7 +222,7 @@ def sparse_block(plan: AttnPlan, xc, cfg, qkv, q_norm, k_norm, rope, k_cache, v_
 
     cols = P(None, None, AXIS)
     ispec, cspec = index_specs(plan.idx)
-    count, tail_start = skipped(plan, xc, plan.count, positions)
+    count, tail_start = skipped(plan, xc, plan.count, plan.tail_start, positions)
     xs = () if x is None else (x,)
     return per_device(local, xc, (cols, REP, REP, REP, HEADS5, HEADS5, REP, ispec, cspec, REP,
                                   REP, REP) + (REP,) * len(xs), (HEADS5, HEADS5, HEADS5))(

@@ -90,7 +90,8 @@ class Phases:
         b = cache.batch
         self.n = cache.lengths + 0  # own buffer: the cache (with its lengths) is donated
         if scores is None:
-            scores = jax.random.uniform(jax.random.PRNGKey(1), (cfg.num_layers, b, cache.max_len))
+            scores = jax.random.uniform(jax.random.PRNGKey(1),
+                                        (len(cfg.full_layers), b, cache.max_len))
         x0 = jnp.zeros((b,), jnp.int32) if x0 is None else x0
         big = 1 << 30  # never stops: phases are timed, not generated
         self.state = S.init_state(spec, xc, cache, x0, jax.random.PRNGKey(0), scores, self.n + 0,

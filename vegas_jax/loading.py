@@ -39,8 +39,12 @@ HUB_REPOS = {
     "qwen3-32b": "Qwen/Qwen3-32B",
     "qwen3-30b-a3b": "Qwen/Qwen3-30B-A3B",
     "llama-3.1-8b": "meta-llama/Llama-3.1-8B-Instruct",
+    "gpt-oss-20b": "openai/gpt-oss-20b",
 }
 _HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.jinja"]
+# gpt-oss's repository also holds its original-format weights (another 13 GB) and a Metal
+# build: not read here
+_HUB_IGNORE = ["original/*", "metal/*"]
 
 
 class Model(NamedTuple):
@@ -90,7 +94,8 @@ def _hub_checkpoint(name: str) -> Path:
     except ImportError:
         raise ValueError(_no_checkpoint_message(name, "huggingface_hub is not installed")) from None
     try:
-        return Path(snapshot_download(repo, allow_patterns=_HUB_PATTERNS, local_files_only=True))
+        return Path(snapshot_download(repo, allow_patterns=_HUB_PATTERNS,
+                                      ignore_patterns=_HUB_IGNORE, local_files_only=True))
     except Exception:
         pass
     if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
@@ -98,7 +103,8 @@ def _hub_checkpoint(name: str) -> Path:
             name, "it is not in the Hugging Face cache and HF_HUB_OFFLINE is set"))
     os.environ.setdefault("HF_HUB_ETAG_TIMEOUT", "10")
     try:
-        return Path(snapshot_download(repo, allow_patterns=_HUB_PATTERNS))
+        return Path(snapshot_download(repo, allow_patterns=_HUB_PATTERNS,
+                                      ignore_patterns=_HUB_IGNORE))
     except Exception as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise ValueError(_no_checkpoint_message(

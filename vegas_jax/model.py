@@ -1,5 +1,5 @@
 """The transformer: pure functions over a params pytree (Llama and Qwen3 families, Qwen3
-dense or mixture of experts).
+dense or mixture of experts, gpt-oss).
 
 One `forward` serves prefill, decode, verify and sparse draft; they differ only in the
 `AttnPlan` handed to the attention dispatch. Layer weights are either stacked on a leading
@@ -54,20 +54,36 @@ class LayerParams:
     w_router: jax.Array | None = None  # [L, h, e]
     w_expert_gate_up: jax.Array | None = None  # [L, e, h, 2f]: columns gate | up
     w_expert_down: jax.Array | None = None  # [L, e, f, h]
+    # gpt-oss only: attention biases (`ModelConfig.attn_bias`), sinks (`attn_sinks`), and
+    # the router's and experts' biases (moe_style "gpt-oss")
+    b_qkv: jax.Array | None = None  # [L, (n + 2k)*d]: q | k | v
+    bo: jax.Array | None = None  # [L, h]
+    sinks: jax.Array | None = None  # [L, n]: one logit per query head
+    b_router: jax.Array | None = None  # [L, e]
+    b_expert_gate_up: jax.Array | None = None  # [L, e, 2f]: gate | up
+    b_expert_down: jax.Array | None = None  # [L, e, h]
 
 
 # Fused field -> the checkpoint projections it holds, in column order (last axis).
 FUSED = {"w_qkv": ("wq", "wk", "wv"), "w_gate_up": ("w_gate", "w_up"),
-         "w_expert_gate_up": ("w_expert_gate", "w_expert_up")}
+         "w_expert_gate_up": ("w_expert_gate", "w_expert_up"),
+         "b_qkv": ("bq", "bk", "bv"), "b_expert_gate_up": ("b_expert_gate", "b_expert_up")}
 
 
 def fused_widths(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Column widths of the parts of each fused field `cfg`'s layers have, `FUSED` order."""
     n, k, d, f = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
+    out = {"w_qkv": (n * d, k * d, k * d)}
     if cfg.is_moe:
         fe = cfg.moe_intermediate_size
-        return {"w_qkv": (n * d, k * d, k * d), "w_expert_gate_up": (fe, fe)}
-    return {"w_qkv": (n * d, k * d, k * d), "w_gate_up": (f, f)}
+        out["w_expert_gate_up"] = (fe, fe)
+        if cfg.moe_style == "gpt-oss":
+            out["b_expert_gate_up"] = (fe, fe)
+    else:
+        out["w_gate_up"] = (f, f)
+    if cfg.attn_bias:
+        out["b_qkv"] = (n * d, k * d, k * d)
+    return out
 
 
 @struct.dataclass
@@ -121,13 +137,15 @@ def _layer(cfg: ModelConfig, xc: ExecConfig, write: bool, plan: AttnPlan, cos, s
     k_heads, g, d = cfg.num_kv_heads, cfg.group_size, cfg.head_dim
     x, k_cache, v_cache = carry  # x [b, t, h]
     b, t, _ = x.shape
-    fused = write and fused_draft(plan, xc)
+    fused = write and fused_draft(plan, xc, cfg)
     # a fused draft with the norm's weight folded into w_qkv: the norm's row scale
     # commutes with the projection, so the draft kernel applies it (one launch fewer a
     # layer); drafts only, the verify and plain decoding keep the model's exact order
     scaled_in_kernel = fused and lp.attn_norm is None
     h = x if scaled_in_kernel else rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
     qkv = mm("bth,hn->btn", h, lp.w_qkv)  # [b, t, (n + 2k)*d]
+    if lp.b_qkv is not None:
+        qkv = qkv + lp.b_qkv
     if fused:  # the attention block in one kernel
         # the Q/K norm weights of models without QK-norm: a literal, never read
         ones = np.ones((d,), np.float32)
@@ -149,14 +167,21 @@ def _layer(cfg: ModelConfig, xc: ExecConfig, write: bool, plan: AttnPlan, cos, s
     k = apply_rope(k, cos, sin)  # [b, t, k, d]
     if write:
         k_cache, v_cache = write_kv(k_cache, v_cache, li, k, v, positions)
-    o, scores = attention(plan, xc, q, k_cache, v_cache, li, positions)
+    window = slot = None
+    if cfg.sliding_layers:  # this layer's window (0: full) and row of the selection
+        window = jnp.asarray(cfg.layer_windows, jnp.int32)[li]
+        slot = jnp.asarray(cfg.selection_slots, jnp.int32)[li]
+    sinks = None if lp.sinks is None else lp.sinks.reshape(k_heads, g)  # [k, g]
+    o, scores = attention(plan, xc, q, k_cache, v_cache, li, positions, window=window,
+                          sinks=sinks, slot=slot)
     return _mlp(cfg, xc, x, o, lp), k_cache, v_cache, scores
 
 
 def _mlp(cfg: ModelConfig, xc: ExecConfig, x, o, lp: LayerParams):
     """The layer after attention: output projection, residual, MLP, residual."""
     b, t, _ = x.shape
-    x = x + mm("btn,nh->bth", o.reshape(b, t, -1).astype(x.dtype), lp.wo)
+    attn = mm("btn,nh->bth", o.reshape(b, t, -1).astype(x.dtype), lp.wo)
+    x = x + (attn if lp.bo is None else attn + lp.bo)
     h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
     if cfg.is_moe:
         return x + _moe(cfg, h, lp)
@@ -169,9 +194,11 @@ def _mlp(cfg: ModelConfig, xc: ExecConfig, x, o, lp: LayerParams):
 
 
 def _moe(cfg: ModelConfig, h, lp: LayerParams):
-    """Qwen3-MoE's MLP of the normalised h [b, t, h]: each token's top-k experts by router
-    softmax (fp32), their SwiGLU outputs summed with the routing weights (renormalised to
-    sum to 1 when `norm_topk_prob`).
+    """The MoE MLP of the normalised h [b, t, h]. Qwen3 (`moe_style` "qwen3"): each
+    token's top-k experts by router softmax (fp32), their SwiGLU outputs summed with the
+    routing weights (renormalised to sum to 1 when `norm_topk_prob`). gpt-oss: the router
+    has a bias, the weights are the softmax of the k largest logits alone, and each
+    expert adds its biases around the clamped SwiGLU (`_clamped_swiglu`).
 
     The expert matmuls are `lax.ragged_dot` over the b*t*k (token, expert) rows sorted by
     expert: every expert's weights are read once and each row is multiplied only by its
@@ -183,9 +210,17 @@ def _moe(cfg: ModelConfig, h, lp: LayerParams):
     masked copies of the rows, e times the work: fine at test sizes."""
     b, t, hd = h.shape
     e, k, f = cfg.num_experts, cfg.experts_per_token, cfg.moe_intermediate_size
+    gpt_oss = cfg.moe_style == "gpt-oss"
     x = h.reshape(b * t, hd)
     logits = mm("th,he->te", x, lp.w_router)
-    weights, experts = lax.top_k(jax.nn.softmax(logits.astype(jnp.float32), axis=-1), k)
+    if lp.b_router is not None:
+        logits = logits + lp.b_router
+    logits = logits.astype(jnp.float32)
+    if gpt_oss:
+        top, experts = lax.top_k(logits, k)
+        weights = jax.nn.softmax(top, axis=-1)
+    else:
+        weights, experts = lax.top_k(jax.nn.softmax(logits, axis=-1), k)
     if cfg.norm_topk_prob:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     flat = experts.reshape(-1)  # [b*t*k], row r is token r // k
@@ -193,11 +228,27 @@ def _moe(cfg: ModelConfig, h, lp: LayerParams):
     sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
     prec = lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
     gate_up = lax.ragged_dot(x[order // k], lp.w_expert_gate_up, sizes, precision=prec)
-    act = jax.nn.silu(gate_up[:, :f]) * gate_up[:, f:]  # [b*t*k, f]
+    if lp.b_expert_gate_up is not None:  # each sorted row's own expert's bias
+        gate_up = gate_up + lp.b_expert_gate_up[flat[order]]
+    if gpt_oss:
+        act = _clamped_swiglu(gate_up[:, :f], gate_up[:, f:], cfg)
+    else:
+        act = jax.nn.silu(gate_up[:, :f]) * gate_up[:, f:]  # [b*t*k, f]
     out = lax.ragged_dot(act, lp.w_expert_down, sizes, precision=prec)  # sorted rows
+    if lp.b_expert_down is not None:
+        out = out + lp.b_expert_down[flat[order]]
     out = jnp.zeros_like(out).at[order].set(out, unique_indices=True)  # token-major again
     y = jnp.sum(out.reshape(b * t, k, hd).astype(jnp.float32) * weights[..., None], axis=1)
     return y.astype(h.dtype).reshape(b, t, hd)
+
+
+def _clamped_swiglu(gate, up, cfg: ModelConfig):
+    """gpt-oss's expert activation: (up + 1) * g * sigmoid(alpha * g) with the gate capped
+    at +limit and up clipped to [-limit, limit] (the model was trained so)."""
+    lim = cfg.swiglu_limit
+    gate = jnp.minimum(gate, lim)
+    up = jnp.clip(up, -lim, lim)
+    return (up + 1) * (gate * jax.nn.sigmoid(gate * cfg.swiglu_alpha))
 
 
 def forward(
@@ -221,14 +272,18 @@ def forward(
     cache as it is, for tokens whose K/V it already holds (a capture-only pass: rewriting
     them from a differently shaped computation would change them by rounding).
 
-    Returns (logits fp32 [b, t or 1, v], cache, scores) where scores stacks the layers'
-    captured attention scores [L, ...] when `plan` asks for a capture (else None).
+    Returns (logits fp32 [b, t or 1, v], cache, scores) where scores stacks the
+    full-attention layers' captured attention scores [len(cfg.full_layers), ...] (every
+    layer but gpt-oss's sliding ones) when `plan` asks for a capture (else None).
     """
     x = params.embed[tokens]  # [b, t, h]
     cos, sin = rope_tables(cfg, positions)
     # the fused draft kernel's RoPE table, made once per forward: made inside the layer,
     # it would cost a small kernel launch per layer
-    rope = rope_halves(cos, sin) if write and fused_draft(plan, xc) else None
+    rope = rope_halves(cos, sin) if write and fused_draft(plan, xc, cfg) else None
+    if cfg.sliding_layers and plan.mode == "sparse":
+        # a draft's sliding layers read their window as the tail (`attention`): room for it
+        plan = plan.replace(tail_len=max(plan.tail_len, cfg.sliding_window))
 
     def step(carry, lp, li):
         *carry, sc = _layer(cfg, xc, write, plan, cos, sin, positions, rope, tuple(carry), lp,
@@ -246,11 +301,12 @@ def forward(
         for li, lp in enumerate(params.layers):
             carry, sc = step(carry, lp, li)
             per_layer.append(sc)
-        scores = None if plan.capture is None else jnp.stack(per_layer)
+        scores = None if plan.capture is None else jnp.stack(
+            [per_layer[i] for i in cfg.full_layers])
     else:
         cap = plan.capture
         shape = None if cap is None else cap.scores_shape(*cache.k.shape[1:4])
-        carry, scores = _layer_loop(step, carry, params.layers, cfg.num_layers, shape)
+        carry, scores = _layer_loop(step, carry, params.layers, cfg, shape)
     x, k_cache, v_cache = carry
     if logits_at is not None:
         x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)  # [b, 1, h]
@@ -262,21 +318,31 @@ def forward(
     return logits.astype(jnp.float32), cache.replace(k=k_cache, v=v_cache), scores
 
 
-def _layer_loop(step, carry, layers: LayerParams, n: int, scores_shape):
-    """`step` over the stacked layers; returns (carry, scores [L, *scores_shape] or None).
+def _layer_loop(step, carry, layers: LayerParams, cfg: ModelConfig, scores_shape):
+    """`step` over the stacked layers; returns (carry, scores [Lf, *scores_shape] or None)
+    for the Lf = len(cfg.full_layers) full-attention layers.
 
     A while loop whose counter is the layer index: a scan would slice the index from an
     iota, which XLA on the GPU runs as one more device memcpy per layer."""
+    n = cfg.num_layers
+
     def at(li):
         return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, li, keepdims=False), layers)
 
-    scores = None if scores_shape is None else jnp.zeros((n, *scores_shape), jnp.float32)
+    scores = None if scores_shape is None else jnp.zeros(
+        (len(cfg.full_layers), *scores_shape), jnp.float32)
 
     def body(state):
         li, carry, scores = state
         carry, sc = step(carry, at(li), li)
         if scores is not None:
-            scores = lax.dynamic_update_index_in_dim(scores, sc.astype(jnp.float32), li, 0)
+            sc = sc.astype(jnp.float32)
+            row = li
+            if cfg.sliding_layers:  # a sliding layer writes back the row it was given
+                row = jnp.asarray(cfg.selection_slots, jnp.int32)[li]
+                full = jnp.asarray(cfg.layer_windows, jnp.int32)[li] == 0
+                sc = jnp.where(full, sc, lax.dynamic_index_in_dim(scores, row, 0, False))
+            scores = lax.dynamic_update_index_in_dim(scores, sc, row, 0)
         return li + 1, carry, scores
 
     _, carry, scores = lax.while_loop(lambda st: st[0] < n, body, (jnp.int32(0), carry, scores))
@@ -347,6 +413,15 @@ def init_params(cfg: ModelConfig, key, dtype=jnp.bfloat16, scale: float = 0.02) 
         return (jax.random.normal(next(keys), shape, jnp.float32) * scale).astype(dtype)
 
     moe, e, fe = cfg.is_moe, cfg.num_experts, cfg.moe_intermediate_size
+    # gpt-oss's extra tensors draw from keys of their own: the other models' weights stay
+    # what they were
+    extra_keys = iter(list(jax.random.split(jax.random.fold_in(key, 1), 6)))
+    oss = cfg.moe_style == "gpt-oss"
+
+    def extra(shape, on):
+        if not on:
+            return None
+        return (jax.random.normal(next(extra_keys), shape, jnp.float32) * scale).astype(dtype)
 
     def make():
         layers = LayerParams(
@@ -361,6 +436,12 @@ def init_params(cfg: ModelConfig, key, dtype=jnp.bfloat16, scale: float = 0.02) 
             w_router=normal((L, h, e)) if moe else None,
             w_expert_gate_up=normal((L, e, h, 2 * fe)) if moe else None,
             w_expert_down=normal((L, e, fe, h)) if moe else None,
+            b_qkv=extra((L, (n + 2 * kv) * d), cfg.attn_bias),
+            bo=extra((L, h), cfg.attn_bias),
+            sinks=extra((L, n), cfg.attn_sinks),
+            b_router=extra((L, e), oss),
+            b_expert_gate_up=extra((L, e, 2 * fe), oss),
+            b_expert_down=extra((L, e, h), oss),
         )
         return Params(
             embed=normal((cfg.vocab_size, h)),

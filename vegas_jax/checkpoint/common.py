@@ -22,7 +22,8 @@ _DTYPES = {
 STRUCTURE_FIELDS = (
     "arch", "num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
     "intermediate_size", "vocab_size", "num_experts", "experts_per_token",
-    "moe_intermediate_size",
+    "moe_intermediate_size", "moe_style", "attn_bias", "attn_sinks", "sliding_window",
+    "sliding_layers",
 )
 
 
@@ -50,6 +51,7 @@ def np_dtype(dtype: Any) -> np.dtype:
 def config_to_json(cfg: ModelConfig) -> dict:
     d = dataclasses.asdict(cfg)
     d["eos_token_ids"] = list(cfg.eos_token_ids)
+    d["sliding_layers"] = list(cfg.sliding_layers)
     return d
 
 
@@ -62,6 +64,7 @@ def config_from_json(d: dict) -> ModelConfig:
     if d.get("rope_scaling") is not None:
         d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
     d["eos_token_ids"] = tuple(d.get("eos_token_ids") or ())
+    d["sliding_layers"] = tuple(d.get("sliding_layers") or ())  # a JSON list
     return ModelConfig(**d)
 
 
@@ -97,10 +100,17 @@ def layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         "attn_norm": (h,), "wq": (h, n * d), "wk": (h, k * d), "wv": (h, k * d),
         "wo": (n * d, h), "mlp_norm": (h,),
     }
+    if cfg.attn_bias:
+        shapes.update({"bq": (n * d,), "bk": (k * d,), "bv": (k * d,), "bo": (h,)})
+    if cfg.attn_sinks:
+        shapes["sinks"] = (n,)
     if cfg.is_moe:
         e, fe = cfg.num_experts, cfg.moe_intermediate_size
         shapes.update({"w_router": (h, e), "w_expert_gate": (e, h, fe),
                        "w_expert_up": (e, h, fe), "w_expert_down": (e, fe, h)})
+        if cfg.moe_style == "gpt-oss":
+            shapes.update({"b_router": (e,), "b_expert_gate": (e, fe), "b_expert_up": (e, fe),
+                           "b_expert_down": (e, h)})
     else:
         shapes.update({"w_gate": (h, f), "w_up": (h, f), "w_down": (f, h)})
     if cfg.qk_norm:

@@ -1,5 +1,5 @@
 """Hugging Face checkpoint directory (config.json + *.safetensors) -> `Params` on the host
-(Llama, Qwen3, Qwen3-MoE).
+(Llama, Qwen3, Qwen3-MoE, gpt-oss with bf16 or MXFP4 experts).
 
 HF `nn.Linear` weights are [out, in]; ours are [in, out]. Layers are stacked on axis 0.
 Tensors are read straight from the safetensors files through a memory map (the format is
@@ -108,6 +108,9 @@ def read_config(path: str | Path, name: str | None = None) -> ModelConfig:
             if e not in eos:
                 eos.append(int(e))
     updates = {"eos_token_ids": tuple(eos)}
+    if cfg.bos_token_id is None and gen.is_file():  # gpt-oss keeps it there only
+        bos = json.loads(gen.read_text()).get("bos_token_id")
+        updates["bos_token_id"] = None if bos is None else int(bos)
     if name is None:
         entry = registry_match(cfg)
         if entry is not None:
@@ -128,7 +131,19 @@ def layer_names(cfg: ModelConfig) -> dict[str, tuple[str, bool]]:
         "wo": ("self_attn.o_proj.weight", True),
         "mlp_norm": ("post_attention_layernorm.weight", False),
     }
-    if cfg.is_moe:
+    if cfg.attn_bias:
+        names.update({
+            "bq": ("self_attn.q_proj.bias", False),
+            "bk": ("self_attn.k_proj.bias", False),
+            "bv": ("self_attn.v_proj.bias", False),
+            "bo": ("self_attn.o_proj.bias", False),
+        })
+    if cfg.attn_sinks:
+        names["sinks"] = ("self_attn.sinks", False)
+    if cfg.moe_style == "gpt-oss":  # the experts: `_gpt_oss_experts`
+        names["w_router"] = ("mlp.router.weight", True)
+        names["b_router"] = ("mlp.router.bias", False)
+    elif cfg.is_moe:
         names["w_router"] = ("mlp.gate.weight", True)
     else:
         names.update({
@@ -152,6 +167,48 @@ EXPERT_NAMES = {
 }
 
 
+# gpt-oss keeps a layer's experts in four 3-D tensors, [e, in, out] (and [e, out] biases),
+# gate and up interleaved along the last axis (gate in the even columns, up in the odd);
+# the weights either in the model's dtype or as MXFP4 `_blocks` + `_scales` ([e, out,
+# in / 32, 16] and [e, out, in / 32]).
+GPT_OSS_EXPERTS = "mlp.experts."
+
+
+def _gpt_oss_experts(st: "SafetensorsDir", prefix: str, dtype):
+    """One gpt-oss layer's experts as our parts ([e, in, out] weights, [e, out] biases),
+    gate and up apart; MXFP4 weights dequantised expert by expert into `dtype`."""
+    from vegas_jax.checkpoint.mxfp4 import dequantize_mxfp4
+
+    p = prefix + GPT_OSS_EXPERTS
+
+    def weight(name):  # [e, in, out]
+        if p + name in st:
+            return st.get(p + name)
+        if p + name + "_blocks" not in st:
+            raise ValueError(f"checkpoint has neither {p + name!r} nor its MXFP4 form "
+                             f"{p + name + '_blocks'!r}")
+        blocks, scales = st.get(p + name + "_blocks"), st.get(p + name + "_scales")
+        e, rows = blocks.shape[:2]
+        out = np.empty((e, blocks.shape[2] * blocks.shape[3] * 2, rows), dtype)
+        for i in range(e):  # one expert at a time: fp32 temporaries of one expert only
+            out[i] = dequantize_mxfp4(blocks[i], scales[i]).T
+        return out
+
+    gate_up, gate_up_bias = weight("gate_up_proj"), st.get(p + "gate_up_proj_bias")
+    return {
+        "w_expert_gate": gate_up[..., 0::2], "w_expert_up": gate_up[..., 1::2],
+        "b_expert_gate": gate_up_bias[..., 0::2], "b_expert_up": gate_up_bias[..., 1::2],
+        "w_expert_down": weight("down_proj"), "b_expert_down": st.get(p + "down_proj_bias"),
+    }
+
+
+def _interleave(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """[..., n] and [..., n] -> [..., 2n] with a in the even columns, b in the odd."""
+    out = np.empty(a.shape[:-1] + (2 * a.shape[-1],), a.dtype)
+    out[..., 0::2], out[..., 1::2] = a, b
+    return out
+
+
 def to_hf_state_dict(cfg: ModelConfig, params: Params) -> dict[str, np.ndarray]:
     """The inverse of `load_hf_checkpoint`: HF tensor names -> numpy arrays (for running
     the same weights through transformers, e.g. as a benchmark reference). Params laid
@@ -165,18 +222,28 @@ def to_hf_state_dict(cfg: ModelConfig, params: Params) -> dict[str, np.ndarray]:
         stacked = fields[ours]
         for i in range(cfg.num_layers):
             out[f"model.layers.{i}.{hf}"] = stacked[i].T if transposed else stacked[i]
-    for ours, hf in (EXPERT_NAMES.items() if cfg.is_moe else ()):
+    oss = cfg.moe_style == "gpt-oss"
+    for ours, hf in (EXPERT_NAMES.items() if cfg.is_moe and not oss else ()):
         for i in range(cfg.num_layers):
             for e in range(cfg.num_experts):
                 out[f"model.layers.{i}.{hf.format(e)}"] = fields[ours][i, e].T
+    for i in range(cfg.num_layers if oss else 0):  # unquantised, as transformers saves it
+        p = f"model.layers.{i}.{GPT_OSS_EXPERTS}"
+        out[p + "gate_up_proj"] = _interleave(fields["w_expert_gate"][i],
+                                              fields["w_expert_up"][i])
+        out[p + "gate_up_proj_bias"] = _interleave(fields["b_expert_gate"][i],
+                                                   fields["b_expert_up"][i])
+        out[p + "down_proj"] = fields["w_expert_down"][i]
+        out[p + "down_proj_bias"] = fields["b_expert_down"][i]
     out["lm_head.weight"] = np.asarray(params.embed if params.lm_head is None else params.lm_head.T)
     return out
 
 
 def to_hf_config(cfg: ModelConfig) -> dict:
-    """A transformers config dict for `cfg` (Llama, Qwen3 or Qwen3-MoE)."""
+    """A transformers config dict for `cfg` (Llama, Qwen3, Qwen3-MoE or gpt-oss)."""
+    model_type = {"gpt-oss": "gpt_oss"}.get(cfg.arch, "qwen3_moe" if cfg.is_moe else cfg.arch)
     d = {
-        "model_type": "qwen3_moe" if cfg.is_moe else cfg.arch,
+        "model_type": model_type,
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_layers,
         "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
@@ -186,7 +253,14 @@ def to_hf_config(cfg: ModelConfig) -> dict:
         "bos_token_id": cfg.bos_token_id,
         "eos_token_id": list(cfg.eos_token_ids) if cfg.eos_token_ids else None,
     }
-    if cfg.is_moe:
+    if cfg.arch == "gpt-oss":
+        d.update(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token,
+                 intermediate_size=cfg.moe_intermediate_size, attention_bias=cfg.attn_bias,
+                 swiglu_limit=cfg.swiglu_limit, swiglu_alpha=cfg.swiglu_alpha,
+                 sliding_window=cfg.sliding_window or None,
+                 layer_types=["sliding_attention" if w else "full_attention"
+                              for w in cfg.layer_windows])
+    elif cfg.is_moe:
         d.update(num_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token,
                  moe_intermediate_size=cfg.moe_intermediate_size,
                  norm_topk_prob=cfg.norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=[])
@@ -197,13 +271,19 @@ def to_hf_config(cfg: ModelConfig) -> dict:
         if rs.kind == "llama3":
             d["rope_scaling"].update(low_freq_factor=rs.low_freq_factor,
                                      high_freq_factor=rs.high_freq_factor)
+        if rs.kind == "yarn":
+            d["rope_scaling"].update(beta_fast=rs.beta_fast, beta_slow=rs.beta_slow,
+                                     truncate=rs.truncate)
+            if rs.attention_factor is not None:
+                d["rope_scaling"]["attention_factor"] = rs.attention_factor
     return d
 
 
 def load_hf_checkpoint(
     path: str | Path, dtype="bfloat16", name: str | None = None, progress: bool | None = None
 ) -> tuple[ModelConfig, Params]:
-    """Read an HF Llama / Qwen3 / Qwen3-MoE checkpoint directory into host arrays of `dtype`."""
+    """Read an HF Llama / Qwen3 / Qwen3-MoE / gpt-oss checkpoint directory into host
+    arrays of `dtype` (gpt-oss's MXFP4 experts dequantised)."""
     path = Path(path)
     cfg = read_config(path, name=name)
     dt = np_dtype(dtype)
@@ -218,6 +298,9 @@ def load_hf_checkpoint(
             ours: st.get(p + hf).T if transposed else st.get(p + hf)
             for ours, (hf, transposed) in layer_names(cfg).items()
         }
+        if cfg.moe_style == "gpt-oss":
+            out.update(_gpt_oss_experts(st, p, dt))
+            return out
         for ours, hf in (EXPERT_NAMES.items() if cfg.is_moe else ()):
             # one layer's experts as [e, in, out]: a copy of one layer, not of the model
             out[ours] = np.stack([st.get(p + hf.format(e)).T for e in range(cfg.num_experts)])
