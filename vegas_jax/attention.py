@@ -122,8 +122,9 @@ def attention(plan: AttnPlan, xc, q, k_cache, v_cache, layer, positions, *, wind
         kw = {} if cap is None else dict(capture=cap.reduce, capture_rows=cap.rows,
                                          score=cap.score)
         fn = verify_attention if xc.attn == "pallas" else verify_attention_reference
+        # cuDNN's flash attention has no fp32, windows or sinks
         if plan.fresh and xc.attn == "pallas" and xc.prefill == "cudnn" and cap is None \
-                and q.dtype != jnp.float32:  # cuDNN's flash attention has no fp32
+                and window is None and sinks is None and q.dtype != jnp.float32:
             kw = dict(prefill_impl="cudnn")
 
         heads = cap is not None and cap.reduce == "heads"
