@@ -8,7 +8,6 @@ Face names and to orbax, the registry entry, and the configs we refuse."""
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 
 import jax
@@ -17,7 +16,7 @@ import numpy as np
 import pytest
 
 from vegas_jax import generate, speculative_generate
-from vegas_jax.attention import CAUSAL, AttnPlan
+from vegas_jax.attention import AttnPlan
 from vegas_jax.cache import init_cache
 from vegas_jax.checkpoint.hf import load_hf_checkpoint, to_hf_config, to_hf_state_dict
 from vegas_jax.checkpoint.mxfp4 import dequantize_mxfp4
@@ -27,6 +26,7 @@ from vegas_jax.loading import load_model
 from vegas_jax.model import forward, init_params, param_bytes
 from vegas_jax.selection import METHODS
 from vegas_jax.speculative import SpecConfig
+from tests.hf_compare import hf_logits as _hf_logits, xla_forward as _forward
 
 TOL = 1e-4
 MAX_LEN = 64
@@ -72,18 +72,6 @@ def tiny_oss(tmp_path_factory):
     d = tmp_path_factory.mktemp("gpt-oss")
     hf = build_tiny_oss(d)
     return d, hf, load_model(checkpoint=d, dtype=jnp.float32)
-
-
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def _forward(params, cfg, tokens, positions, cache):
-    return forward(params, cfg, XLA, tokens, positions, cache, CAUSAL)
-
-
-def _hf_logits(hf_model, ids):
-    import torch
-
-    with torch.no_grad():
-        return hf_model(torch.tensor([ids])).logits[0].float().numpy()
 
 
 def _prefill(model, prompts, cfg=None, params=None):

@@ -7,7 +7,6 @@ steps through our KV cache (vs a full recompute in transformers).
 
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -15,30 +14,15 @@ import numpy as np
 import pytest
 
 from conftest import TINY_CONFIGS
-from vegas_jax.attention import CAUSAL
-from vegas_jax.execution import ExecConfig
 from vegas_jax.cache import init_cache
 from vegas_jax.config import REGISTRY, from_hf_config
 from vegas_jax.loading import load_model
-from vegas_jax.model import forward
+from tests.hf_compare import hf_logits as _hf_logits, xla_forward as _forward
 
 TOL = 1e-4
 LENS = [11, 5, 17]  # a ragged batch: right padding, per-sequence positions
 DECODE_STEPS = 4
 MAX_LEN = 64
-
-
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def _forward(params, cfg, tokens, positions, cache):
-    return forward(params, cfg, ExecConfig("xla", "triton", "scan"), tokens, positions, cache,
-                   CAUSAL)
-
-
-def _hf_logits(hf_model, ids):
-    import torch
-
-    with torch.no_grad():
-        return hf_model(torch.tensor([ids])).logits[0].float().numpy()
 
 
 @pytest.mark.parametrize("kind", sorted(TINY_CONFIGS))

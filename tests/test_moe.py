@@ -6,7 +6,6 @@ to vanilla, conversion back to Hugging Face names, and the configs we refuse."""
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 
 import jax
@@ -15,19 +14,17 @@ import numpy as np
 import pytest
 
 from vegas_jax import generate, speculative_generate
-from vegas_jax.attention import CAUSAL
 from vegas_jax.cache import init_cache
 from vegas_jax.checkpoint.hf import load_hf_checkpoint, to_hf_config, to_hf_state_dict
 from vegas_jax.config import REGISTRY, from_hf_config
-from vegas_jax.execution import ExecConfig
 from vegas_jax.loading import load_model
-from vegas_jax.model import forward, init_params, param_bytes
+from vegas_jax.model import init_params, param_bytes
 from vegas_jax.sharding import check_tp
 from vegas_jax.speculative import SpecConfig
+from tests.hf_compare import hf_logits as _hf_logits, xla_forward as _forward
 
 TOL = 1e-4
 MAX_LEN = 64
-XLA = ExecConfig("xla", "triton", "scan")
 
 TINY_MOE = dict(
     vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -72,18 +69,6 @@ def tiny_moe(tmp_path_factory):
         return made[norm_topk_prob]
 
     return get
-
-
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def _forward(params, cfg, tokens, positions, cache):
-    return forward(params, cfg, XLA, tokens, positions, cache, CAUSAL)
-
-
-def _hf_logits(hf_model, ids):
-    import torch
-
-    with torch.no_grad():
-        return hf_model(torch.tensor([ids])).logits[0].float().numpy()
 
 
 @pytest.mark.parametrize("norm_topk_prob", [True, False])
