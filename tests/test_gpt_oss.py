@@ -17,7 +17,6 @@ import pytest
 
 from vegas_jax import generate, speculative_generate
 from vegas_jax.attention import AttnPlan
-from vegas_jax.cache import init_cache
 from vegas_jax.checkpoint.hf import load_hf_checkpoint, to_hf_config, to_hf_state_dict
 from vegas_jax.checkpoint.mxfp4 import dequantize_mxfp4
 from vegas_jax.config import REGISTRY, from_hf_config
@@ -26,10 +25,12 @@ from vegas_jax.loading import load_model
 from vegas_jax.model import forward, init_params, param_bytes
 from vegas_jax.selection import METHODS
 from vegas_jax.speculative import SpecConfig
-from tests.hf_compare import hf_logits as _hf_logits, xla_forward as _forward
+from tests.hf_compare import (
+    MAX_LEN, check_prefill_and_decode, hf_logits as _hf_logits, ragged_prefill,
+    xla_forward as _forward,
+)
 
 TOL = 1e-4
-MAX_LEN = 64
 WINDOW = 8  # the tiny model's sliding window: every prompt below but one is longer
 XLA = ExecConfig("xla", "triton", "scan")
 
@@ -75,15 +76,7 @@ def tiny_oss(tmp_path_factory):
 
 
 def _prefill(model, prompts, cfg=None, params=None):
-    cfg = cfg or model.config
-    b, width = len(prompts), max(map(len, prompts))
-    toks = np.zeros((b, width), np.int32)
-    pos = np.full((b, width), MAX_LEN, np.int32)  # padding writes past the cache: dropped
-    for i, p in enumerate(prompts):
-        toks[i, : len(p)] = p
-        pos[i, : len(p)] = np.arange(len(p))
-    cache = init_cache(cfg, b, MAX_LEN, jnp.float32)
-    return _forward(params or model.params, cfg, jnp.asarray(toks), jnp.asarray(pos), cache)
+    return ragged_prefill(params or model.params, cfg or model.config, prompts)
 
 
 def test_logits_match_transformers(tiny_oss):
@@ -103,23 +96,8 @@ def test_logits_match_transformers(tiny_oss):
     rng = np.random.default_rng(0)
     lens = [11, 5, 30]
     prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for n in lens]
-    ref = [_hf_logits(hf_model, p) for p in prompts]
-    logits, cache, _ = _prefill(model, prompts)
-    for i, p in enumerate(prompts):
-        err = np.abs(np.asarray(logits[i, : len(p)]) - ref[i]).max()
-        assert err < TOL, f"prefill seq {i}: max abs err {err:.2e}"
-
-    cache = cache.replace(lengths=jnp.asarray(lens, jnp.int32))
-    seqs = [list(p) for p in prompts]
-    for step in range(3):
-        new = rng.integers(3, cfg.vocab_size, len(prompts))
-        logits, cache, _ = _forward(model.params, cfg, jnp.asarray(new[:, None], jnp.int32),
-                                    cache.lengths[:, None], cache)
-        cache = cache.replace(lengths=cache.lengths + 1)
-        for i in range(len(prompts)):
-            seqs[i].append(int(new[i]))
-            err = np.abs(np.asarray(logits[i, 0]) - _hf_logits(hf_model, seqs[i])[-1]).max()
-            assert err < TOL, f"decode step {step} seq {i}: max abs err {err:.2e}"
+    check_prefill_and_decode(model, hf_model, prompts, 3, rng, TOL)
+    ref = [None, None, _hf_logits(hf_model, prompts[2])]
 
     rs = cfg.rope_scaling
     lp = model.params.layers
@@ -131,7 +109,7 @@ def test_logits_match_transformers(tiny_oss):
         "no sinks": (cfg, model.params.replace(layers=lp.replace(sinks=lp.sinks - 1e4))),
     }
     for what, (c, params) in wrong.items():
-        logits, _, _ = _prefill(model, prompts[2:], c, params)
+        logits, _ = _prefill(model, prompts[2:], c, params)
         err = np.abs(np.asarray(logits[0]) - ref[2]).max()
         assert err > 3 * TOL, f"{what}: the long prompt's logits still match ({err:.1e})"
 
@@ -211,7 +189,7 @@ def test_draft_selecting_everything_equals_decode(tiny_oss):
     rng = np.random.default_rng(2)
     lens = [30, 12]
     prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for n in lens]
-    _, cache, _ = _prefill(model, prompts)
+    _, cache = _prefill(model, prompts)
     n = jnp.asarray(lens, jnp.int32)
     cache = cache.replace(lengths=n)
     tok = jnp.asarray(rng.integers(3, cfg.vocab_size, (2, 1)), jnp.int32)

@@ -14,15 +14,13 @@ import numpy as np
 import pytest
 
 from conftest import TINY_CONFIGS
-from vegas_jax.cache import init_cache
 from vegas_jax.config import REGISTRY, from_hf_config
 from vegas_jax.loading import load_model
-from tests.hf_compare import hf_logits as _hf_logits, xla_forward as _forward
+from tests.hf_compare import check_prefill_and_decode
 
 TOL = 1e-4
 LENS = [11, 5, 17]  # a ragged batch: right padding, per-sequence positions
 DECODE_STEPS = 4
-MAX_LEN = 64
 
 
 @pytest.mark.parametrize("kind", sorted(TINY_CONFIGS))
@@ -36,37 +34,7 @@ def test_logits_match_transformers(kind, tiny_hf):
 
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for n in LENS]
-    b, width = len(prompts), max(LENS)
-    toks = np.zeros((b, width), np.int32)
-    pos = np.full((b, width), MAX_LEN, np.int32)  # padding writes past the cache: dropped
-    for i, p in enumerate(prompts):
-        toks[i, : len(p)] = p
-        pos[i, : len(p)] = np.arange(len(p))
-
-    # Prefill: every real position of every sequence.
-    cache = init_cache(cfg, b, MAX_LEN, jnp.float32)
-    logits, cache, _ = _forward(model.params, cfg, jnp.asarray(toks), jnp.asarray(pos), cache)
-    logits = np.asarray(logits)
-    for i, p in enumerate(prompts):
-        ref = _hf_logits(hf_model, p)
-        err = np.abs(logits[i, : len(p)] - ref).max()
-        assert err < TOL, f"{kind}: prefill seq {i} max abs err {err:.2e}"
-    cache = cache.replace(lengths=jnp.asarray(LENS, jnp.int32))
-
-    # Decode: one token per step at each sequence's own position, vs full recompute.
-    seqs = [list(p) for p in prompts]
-    for step in range(DECODE_STEPS):
-        new = rng.integers(3, cfg.vocab_size, b)
-        positions = cache.lengths[:, None]
-        logits, cache, _ = _forward(
-            model.params, cfg, jnp.asarray(new[:, None], jnp.int32), positions, cache
-        )
-        cache = cache.replace(lengths=cache.lengths + 1)
-        for i in range(b):
-            seqs[i].append(int(new[i]))
-            ref = _hf_logits(hf_model, seqs[i])[-1]
-            err = np.abs(np.asarray(logits[i, 0]) - ref).max()
-            assert err < TOL, f"{kind}: decode step {step} seq {i} max abs err {err:.2e}"
+    check_prefill_and_decode(model, hf_model, prompts, DECODE_STEPS, rng, TOL, f"{kind}: ")
 
 
 def test_loaded_config_matches_hf_config(tiny_hf):

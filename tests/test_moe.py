@@ -14,17 +14,15 @@ import numpy as np
 import pytest
 
 from vegas_jax import generate, speculative_generate
-from vegas_jax.cache import init_cache
 from vegas_jax.checkpoint.hf import load_hf_checkpoint, to_hf_config, to_hf_state_dict
 from vegas_jax.config import REGISTRY, from_hf_config
 from vegas_jax.loading import load_model
 from vegas_jax.model import init_params, param_bytes
 from vegas_jax.sharding import check_tp
 from vegas_jax.speculative import SpecConfig
-from tests.hf_compare import hf_logits as _hf_logits, xla_forward as _forward
+from tests.hf_compare import check_prefill_and_decode
 
 TOL = 1e-4
-MAX_LEN = 64
 
 TINY_MOE = dict(
     vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -86,32 +84,8 @@ def test_logits_match_transformers(tiny_moe, norm_topk_prob):
     rng = np.random.default_rng(0)
     lens = [11, 5, 17]
     prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for n in lens]
-    b, width = len(prompts), max(lens)
-    toks = np.zeros((b, width), np.int32)
-    pos = np.full((b, width), MAX_LEN, np.int32)  # padding writes past the cache: dropped
-    for i, p in enumerate(prompts):
-        toks[i, : len(p)] = p
-        pos[i, : len(p)] = np.arange(len(p))
-    cache = init_cache(cfg, b, MAX_LEN, jnp.float32)
-    logits, cache, _ = _forward(model.params, cfg, jnp.asarray(toks), jnp.asarray(pos), cache)
-    for i, p in enumerate(prompts):
-        err = np.abs(np.asarray(logits[i, : len(p)]) - _hf_logits(hf_model, p)).max()
-        assert err < TOL, f"prefill seq {i}: max abs err {err:.2e}"
-
-    if not norm_topk_prob:  # routing is all it changes: the prefill has shown it
-        return
-    # token by token through our cache, against a full recompute in transformers
-    cache = cache.replace(lengths=jnp.asarray(lens, jnp.int32))
-    seqs = [list(p) for p in prompts]
-    for step in range(4):
-        new = rng.integers(3, cfg.vocab_size, b)
-        logits, cache, _ = _forward(model.params, cfg, jnp.asarray(new[:, None], jnp.int32),
-                                    cache.lengths[:, None], cache)
-        cache = cache.replace(lengths=cache.lengths + 1)
-        for i in range(b):
-            seqs[i].append(int(new[i]))
-            err = np.abs(np.asarray(logits[i, 0]) - _hf_logits(hf_model, seqs[i])[-1]).max()
-            assert err < TOL, f"decode step {step} seq {i}: max abs err {err:.2e}"
+    # routing is all norm_topk_prob changes: the prefill shows it, decode steps once
+    check_prefill_and_decode(model, hf_model, prompts, 4 if norm_topk_prob else 0, rng, TOL)
 
 
 @pytest.fixture(scope="module")
