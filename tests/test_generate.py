@@ -195,3 +195,25 @@ def test_long_prefill_reports_every_layer_of_every_step(monkeypatch):
     assert len(ticks) == 1 and ticks[0].total == 2 * m.config.num_layers
     assert ticks[0].n == ticks[0].total
     np.testing.assert_allclose(np.asarray(logits), np.asarray(quiet), atol=2e-5)
+
+
+def test_prefill_budget_shrinks_with_free_memory(monkeypatch):
+    """Little free memory: fewer query tokens a prefill step (halving from PREFILL_TOKENS,
+    never below one prompt bucket), and the prefill's logits stay those of one step."""
+    cfg = tiny_model().config
+    per_token = gen._act_bytes(cfg)
+    assert gen.prefill_budget(cfg, None) == gen.PREFILL_TOKENS
+    assert gen.prefill_budget(cfg, 3 * per_token * gen.PREFILL_TOKENS) == gen.PREFILL_TOKENS
+    assert gen.prefill_budget(cfg, 3 * per_token * 300) == 256
+    assert gen.prefill_budget(cfg, 0) == gen.PROMPT_BUCKET
+    assert gen.prefill_plan(cfg, 3, 192, 3 * per_token * 400) == (192, 1)  # groups of one
+    assert gen.prefill_plan(cfg, 1, 192, 3 * per_token * 100) == (64, 1)  # slices
+
+    m = tiny_model(scale=0.3)
+    rng = np.random.default_rng(6)
+    ids = [rng.integers(0, 100, size=n).tolist() for n in (150, 170, 191)]
+    cache = lambda: gen.init_cache(m.config, 3, 256, jnp.float32)  # noqa: E731
+    whole, _, _ = gen.prefill_prompts(m.params, m.config, XLA, ids, cache(), None)
+    monkeypatch.setattr(gen, "available_bytes", lambda: 3 * per_token * 100)
+    sliced, _, _ = gen.prefill_prompts(m.params, m.config, XLA, ids, cache(), None)
+    np.testing.assert_allclose(np.asarray(sliced), np.asarray(whole), atol=2e-5)

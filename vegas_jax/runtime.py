@@ -122,17 +122,14 @@ def check_memory(model, batch: int, max_len: int, prompt_len: int, attn: str = "
     kv = cache_bytes(cfg, batch, max_len, param_dtype(model.params))
     # Largest transients: prefill activations and the chunked attention logits.
     width = _round_up(prompt_len, PROMPT_BUCKET)
-    q_len = prefill_chunk(batch, width)
-    rows = prefill_rows(batch, width) if q_len == width else batch  # sequences a step
-    # an MoE layer's MLP rows: each token's k experts (the sorted (token, expert) rows)
-    mlp = cfg.experts_per_token * cfg.moe_intermediate_size if cfg.is_moe else cfg.intermediate_size
-    act = rows * q_len * (cfg.hidden_size * 4 + mlp * 3) * 4
+    free = available_bytes()
+    q_len, rows = prefill_plan(cfg, batch, width, None if free is None else max(free - kv, 0))
+    act = rows * q_len * _act_bytes(cfg)
     # The XLA attention path materialises [b, heads, 512 queries, s] logits per chunk; the
     # Pallas kernels keep them on chip.
     att = rows * cfg.num_heads * min(q_len, 512) * max_len * 4 * 3 if attn == "xla" else 0
     logits = batch * cfg.vocab_size * 4 * 4
     need = kv + act + att + logits
-    free = available_bytes()
     if free is not None and need > 0.9 * free:
         gib = 1 << 30
         raise MemoryError(
@@ -153,36 +150,61 @@ def pad_prompts(prompts: list[list[int]]):
     return jnp.asarray(toks), jnp.asarray(lens)
 
 
-def prefill_chunk(batch: int, width: int) -> int:
-    """Query tokens per sequence per prefill step: the whole prompt while the batch's
-    PREFILL_TOKENS budget holds one whole prompt (`prefill_rows` sequences at a time),
-    else equal slices (multiples of PROMPT_BUCKET), so the activations stay bounded however
-    large the batch or long the prompt."""
-    if width <= PREFILL_TOKENS:
+def prefill_budget(cfg: ModelConfig, free: int | None) -> int:
+    """Query tokens a prefill step may hold: PREFILL_TOKENS, or fewer where a third of the
+    `free` bytes (None: unknown) cannot hold their activations (a smaller GPU, a larger
+    model): a power of two, so that free memory moving a little does not change the plan
+    (a new compile, other rounding)."""
+    if free is None:
+        return PREFILL_TOKENS
+    fits = free // 3 // _act_bytes(cfg)
+    budget = PREFILL_TOKENS
+    while budget > PROMPT_BUCKET and budget > fits:
+        budget //= 2
+    return budget
+
+
+def _act_bytes(cfg: ModelConfig) -> int:
+    """Activation bytes a prefill token holds at once (the MLP's rows are the largest: an
+    MoE layer's are each token's k experts)."""
+    mlp = cfg.experts_per_token * cfg.moe_intermediate_size if cfg.is_moe else cfg.intermediate_size
+    return (cfg.hidden_size * 4 + mlp * 3) * 4
+
+
+def prefill_chunk(batch: int, width: int, budget: int = PREFILL_TOKENS) -> int:
+    """Query tokens per sequence per prefill step: the whole prompt while the budget (query
+    tokens a step) holds one whole prompt (`prefill_rows` sequences at a time), else equal
+    slices (multiples of PROMPT_BUCKET), so the activations stay bounded however large the
+    batch or long the prompt."""
+    if width <= budget:
         return width
-    n = -(-width // PREFILL_TOKENS)
+    n = -(-width // budget)
     return max(PROMPT_BUCKET, _round_up(-(-width // n), PROMPT_BUCKET))
 
 
-def prefill_rows(batch: int, width: int) -> int:
+def prefill_rows(batch: int, width: int, budget: int = PREFILL_TOKENS) -> int:
     """Sequences per prefill step: as many whole prompts as the budget holds (at least
     one). A step of whole prompts starts at position 0, which cuDNN's causal attention
     needs; slicing the batch instead of the prompts keeps it so."""
-    if batch * width <= PREFILL_TOKENS:
+    if batch * width <= budget:
         return batch
-    return max(1, min(batch, PREFILL_TOKENS // width))
+    return max(1, min(batch, budget // width))
+
+
+def prefill_plan(cfg: ModelConfig, batch: int, width: int, free: int | None = None):
+    """(chunk, group) of a prefill of `batch` prompts padded to `width`, for `free` bytes."""
+    budget = prefill_budget(cfg, free)
+    chunk = prefill_chunk(batch, width, budget)
+    return chunk, prefill_rows(batch, width, budget) if chunk == width else batch
 
 
 def _rows(x, start, n, axis):
     return lax.dynamic_slice_in_dim(x, start, n, axis=axis)
 
 
-def prefill_steps(batch: int, width: int) -> int:
+def prefill_steps(batch: int, width: int, chunk: int, group: int) -> int:
     """Steps of one `prefill` call (groups of whole prompts, or slices of them)."""
-    chunk = prefill_chunk(batch, width)
-    if chunk == width:
-        return -(-batch // prefill_rows(batch, width))
-    return -(-width // chunk)
+    return -(-batch // group) if chunk == width else -(-width // chunk)
 
 
 PROGRESS_TOKENS = 32 * 1024  # prompts holding this many tokens show a progress bar
@@ -455,19 +477,22 @@ def prefill_prompts(params, cfg, xc: ExecConfig, ids: list[list[int]], cache: KV
     for i, p in enumerate(ids):
         groups.setdefault(_round_up(len(p), PROMPT_BUCKET), []).append(i)
     lens = jnp.asarray([len(p) for p in ids], jnp.int32)
+    free = available_bytes()
+    plans = {w: prefill_plan(cfg, len(r), w, free) for w, r in groups.items()}
     show = sum(map(len, ids)) >= PROGRESS_TOKENS
     if show:
         from tqdm import tqdm
 
-        steps = sum(prefill_steps(len(r), w) for w, r in groups.items())
+        steps = sum(prefill_steps(len(r), w, *plans[w]) for w, r in groups.items())
         _bar[:] = [tqdm(total=steps * cfg.num_layers, unit="layer", file=sys.stderr,
                         desc=f"prefill {sum(map(len, ids))} tokens", disable=None)]
     try:
         if len(groups) == 1:
             tokens, _ = pad_prompts(ids)
-            out = prefill(params, cfg, xc, tokens, lens, cache, capture, progress=show)
+            out = prefill(params, cfg, xc, tokens, lens, cache, capture, *plans[tokens.shape[1]],
+                          progress=show)
         else:
-            out = _prefill_groups(params, cfg, xc, ids, cache, capture, groups, lens, show)
+            out = _prefill_groups(params, cfg, xc, ids, cache, capture, groups, plans, lens, show)
         if show:
             jax.block_until_ready(out)
             jax.effects_barrier()  # every tick has run
@@ -477,14 +502,15 @@ def prefill_prompts(params, cfg, xc: ExecConfig, ids: list[list[int]], cache: KV
             _bar.pop().close()
 
 
-def _prefill_groups(params, cfg, xc, ids, cache, capture, groups, lens, show):
+def _prefill_groups(params, cfg, xc, ids, cache, capture, groups, plans, lens, show):
     logits = [None] * len(ids)
     scores = [None] * len(ids)
-    for rows in groups.values():
+    for width, rows in groups.items():
         tokens, sub_lens = pad_prompts([ids[r] for r in rows])
         r = jnp.asarray(rows)
         sub = KVCache(k=cache.k[:, r], v=cache.v[:, r], lengths=sub_lens)
-        lg, sub, sc = prefill(params, cfg, xc, tokens, sub_lens, sub, capture, progress=show)
+        lg, sub, sc = prefill(params, cfg, xc, tokens, sub_lens, sub, capture, *plans[width],
+                              progress=show)
         cache = _put_rows(cache, sub, r)
         for j, row in enumerate(rows):
             logits[row] = lg[j]
@@ -567,7 +593,8 @@ def prefill_group(model, xc: ExecConfig, prompts: list[list[int]], rows: int, ma
     ids = list(prompts) + [prompts[-1]] * (rows - len(prompts))
     cache = place_cache(init_cache(cfg, rows, max_len, param_dtype(model.params)), xc.tp)
     tokens, lens = pad_prompts(ids)
-    logits, cache, scores = prefill(model.params, cfg, xc, tokens, lens, cache, capture)
+    logits, cache, scores = prefill(model.params, cfg, xc, tokens, lens, cache, capture,
+                                    *prefill_plan(cfg, *tokens.shape, available_bytes()))
     first, _ = sample(key, logits, sampling)
     return cache, first, scores
 
