@@ -224,7 +224,7 @@ def prefill(params, cfg: ModelConfig, xc: ExecConfig, tokens, lens, cache: KVCac
     """Full causal attention over the (right-padded) prompts: `group` sequences at a time
     when each step holds whole prompts (from position 0: `PROMPT`, which may run cuDNN),
     else the whole batch `chunk` query tokens at a time (a scan; each slice attends to the
-    cache the earlier ones wrote). Default: `prefill_chunk` and `prefill_rows`.
+    cache the earlier ones wrote). Default: `prefill_plan` with the default budget.
 
     Returns (logits of each prompt's last token [b, v], cache with lengths = lens, scores):
     with `capture` (a one-row capture), the last prompt token's query is run once more
@@ -237,8 +237,9 @@ def prefill(params, cfg: ModelConfig, xc: ExecConfig, tokens, lens, cache: KVCac
     """
     b, t = tokens.shape
     on_layer = _layer_done if progress else None
-    chunk = min(chunk or prefill_chunk(b, t), t)
-    group = min(group or prefill_rows(b, t), b) if chunk == t else b
+    plan_chunk, plan_group = prefill_plan(cfg, b, t)
+    chunk = min(chunk or plan_chunk, t)
+    group = min(group or plan_group, b) if chunk == t else b
     at = lens - 1
     if group < b:
         # Groups of whole prompts; the last one starts at b - group and redoes a few rows
