@@ -95,7 +95,8 @@ class SparseBlocks:
     """Tuning knobs. block_k: gathered rows per loop step; num_warps / num_stages: Triton;
     target_programs: grid size aimed at when cutting the entries into chunks. (Gathering
     the next block's K/V before this block's arithmetic, two blocks in registers, measured
-    slower at every shape tried: BENCHMARKS.md, 2026-12-01 b.)"""
+    slower at every shape tried: BENCHMARKS.md, 2026-12-01 b, and again with the layers
+    unrolled, 2026-12-02 e: 21 vs 15 us a layer at B 64.)"""
 
     block_k: int = 64
     num_warps: int = 4
@@ -110,7 +111,9 @@ class StepBlocks:
     blocks; no combine pass); below it the entries are split across programs (`split`)."""
 
     split: SparseBlocks = SparseBlocks()
-    whole: SparseBlocks = SparseBlocks(block_k=128, num_stages=3)
+    # 64-row blocks on two warps: 14.7 / 20.7 us a layer at B 64 / 128 against 15.9 / 23.1
+    # for 128 rows on four (BENCHMARKS.md, 2026-12-02 e)
+    whole: SparseBlocks = SparseBlocks(block_k=64, num_warps=2, num_stages=3)
     whole_from: int = 128
     # head dims above 64: the split path's tiles, the ones measured at Qwen3-8B shapes (the
     # 128-row, 3-stage tiles were measured at head dim 64 only)
@@ -133,6 +136,10 @@ def _chunk_attention(q_parts, k_ref, v_ref, idx_ref, cnt_ref, ts_ref, layer, il,
     rows = q_parts[0][0].shape[0]
     d = v_ref.shape[-1]
     kr = jnp.arange(block_k, dtype=jnp.int32)
+    # the tail's own block: vegas's tail is 2 gamma + 1 entries, and a 64-row block for 13
+    # of them would gather 51 rows for nothing (a power of two dividing `chunk`)
+    tail_bk = min(block_k, pow2_at_least(tail_len))
+    tr = jnp.arange(tail_bk, dtype=jnp.int32)
 
     def gather(pos):  # [block_k] positions -> (K parts [block_k, w] each, V [block_k, d])
         pos = jnp.clip(pos, 0, s_len - 1)
@@ -188,9 +195,11 @@ def _chunk_attention(q_parts, k_ref, v_ref, idx_ref, cnt_ref, ts_ref, layer, il,
         t0 = ts_ref[bi]
         n_valid = jnp.clip(qpos - t0 + 1, 0, tail_len)  # entries tail_start .. q_pos
         e0 = 0 if one_program else (j - n_sel) * chunk
-        nblk = pl.cdiv(jnp.maximum(jnp.minimum(e0 + chunk, n_valid) - e0, 0), block_k)
-        return walk(nblk, lambda i: t0 + e0 + i * block_k + kr,
-                    lambda i: e0 + i * block_k + kr < n_valid, carry)
+        nblk = pl.cdiv(jnp.maximum(jnp.minimum(e0 + chunk, n_valid) - e0, 0), tail_bk)
+        # positions past the query's are clamped to it: the block's spare rows load the
+        # same (cached) row instead of rows no one asked for
+        return walk(nblk, lambda i: jnp.minimum(t0 + e0 + i * tail_bk + tr, qpos),
+                    lambda i: e0 + i * tail_bk + tr < n_valid, carry)
 
     if one_program:
         return tail(selected(carry0)) if tail_len > 0 else selected(carry0)
