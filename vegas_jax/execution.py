@@ -18,6 +18,7 @@ LAYERS = ("auto", "scan", "unrolled")
 DRAFT = ("auto", "fused", "split")
 SELECT = ("auto", "pallas", "xla")
 PREFILL = ("auto", "pallas", "cudnn")
+MOE = ("auto", "xla", "mosaic")
 
 # GPU defaults, from kernel profiles and host timings (BENCHMARKS.md, "What changed",
 # "Weight reads" and "Host dispatch"): decode-shaped matmuls read large weights several
@@ -45,10 +46,14 @@ class ExecConfig:
       "pallas" kernel, or "cudnn" flash attention (~2x faster at long prompts; bf16/fp16
       only, fp32 runs the kernel). Slices of a prompt that start later, and the verify,
       always run the kernel.
+    moe: mixture-of-experts grouped matmuls through XLA's `lax.ragged_dot` ("xla"; on the
+      GPU a dense computation over every expert) or jax's Mosaic-GPU grouped matmul
+      ("mosaic", Hopper only; `pallas_kernels.grouped_matmul`).
     tp: tensor-parallel degree: the model split across this many devices (`sharding`).
     "auto" resolves by backend: on the GPU cuBLAS and unrolled layers; elsewhere the XLA
     path and a scan; fused drafts wherever the Pallas kernels run; the selection's kernel
-    where the attention's are; cuDNN prefills on the GPU."""
+    where the attention's are; cuDNN prefills on the GPU; Mosaic grouped matmuls on a
+    Hopper GPU without tensor parallelism."""
 
     attn: str = "auto"
     gemm: str = "auto"
@@ -56,21 +61,32 @@ class ExecConfig:
     draft: str = "auto"
     select: str = "auto"
     prefill: str = "auto"
+    moe: str = "auto"
     tp: int = 1
 
     def __post_init__(self):
         for name, allowed in (("attn", ATTN), ("gemm", GEMM), ("layers", LAYERS),
                               ("draft", DRAFT), ("select", SELECT),
-                              ("prefill", PREFILL)):
+                              ("prefill", PREFILL), ("moe", MOE)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if int(self.tp) != self.tp or self.tp < 1:
             raise ValueError(f"tp must be a whole number >= 1, got {self.tp}")
+        if self.moe == "mosaic" and self.tp > 1:
+            raise ValueError("moe='mosaic' runs on one device: use moe='xla' with tp > 1")
 
     def resolve(self, backend: str | None = None) -> "ExecConfig":
         """Concrete choices on `backend` (default: JAX's)."""
         gpu = (backend or jax.default_backend()) == "gpu"
         attn = self.attn if self.attn != "auto" else ("pallas" if gpu else "xla")
+        if self.moe == "mosaic" and not gpu:
+            raise ValueError("moe='mosaic' needs a Hopper GPU (H100 / H200): use moe='xla'")
+        if self.moe != "auto":
+            moe = self.moe
+        else:
+            from pallas_kernels.grouped_matmul import hopper
+
+            moe = "mosaic" if gpu and self.tp == 1 and hopper() else "xla"
         return ExecConfig(
             attn=attn,
             gemm=self.gemm if self.gemm != "auto" else ("cublas" if gpu else "triton"),
@@ -78,13 +94,14 @@ class ExecConfig:
             draft=self.draft if self.draft != "auto" else "fused",
             select=self.select if self.select != "auto" else attn,
             prefill=self.prefill if self.prefill != "auto" else ("cudnn" if gpu else "pallas"),
+            moe=moe,
             tp=self.tp,
         )
 
     @property
     def resolved(self) -> bool:
         return "auto" not in (self.attn, self.gemm, self.layers, self.draft, self.select,
-                              self.prefill)
+                              self.prefill, self.moe)
 
     def compiler_options(self) -> dict:
         """XLA options of every jitted model function: on the GPU, cuBLAS reading a layer
@@ -146,9 +163,15 @@ def add_exec_args(p) -> None:
                    help="Pallas path only: a prompt's attention from its first token through "
                    "the Pallas kernel or cuDNN flash attention (bf16/fp16; ~2x faster at "
                    "long prompts); auto: cudnn on the GPU")
+    p.add_argument("--moe-impl", default="auto", choices=MOE,
+                   help="mixture-of-experts models: grouped expert matmuls through XLA's "
+                   "ragged_dot (dense over every expert on the GPU) or jax's Mosaic-GPU "
+                   "grouped matmul (reads only the experts in use; Hopper only); auto: "
+                   "mosaic on an H100/H200 without --tp, xla elsewhere")
 
 
 def exec_from_args(args) -> ExecConfig:
     return ExecConfig(attn=args.attn_impl or "auto", gemm=args.gemm, layers=args.layers,
                       draft=args.draft_attn, select=getattr(args, "select_impl", "auto"),
-                      prefill=getattr(args, "prefill_impl", "auto"), tp=args.tp)
+                      prefill=getattr(args, "prefill_impl", "auto"),
+                      moe=getattr(args, "moe_impl", "auto"), tp=args.tp)

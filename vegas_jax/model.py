@@ -23,6 +23,7 @@ import numpy as np
 from flax import struct
 from jax import lax
 
+from pallas_kernels import grouped_matmul
 from pallas_kernels.sparse_attention import rope_halves
 from vegas_jax.attention import AttnPlan, attention, fused_draft, sparse_block
 from vegas_jax.cache import KVCache, write_kv
@@ -184,7 +185,8 @@ def _mlp(cfg: ModelConfig, xc: ExecConfig, x, o, lp: LayerParams):
     x = x + (attn if lp.bo is None else attn + lp.bo)
     h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
     if cfg.is_moe:
-        return x + _moe(cfg, h, lp)
+        impl = "xla" if xc.moe == "auto" else xc.moe
+        return x + _moe(cfg, h, lp, functools.partial(grouped_matmul.ragged_dot, impl=impl))
     gate_up = mm("bth,hf->btf", h, lp.w_gate_up)  # [b, t, 2f], per shard [gate_i | up_i]
     gate_up = gate_up.reshape(b, t, xc.tp, -1)
     f = cfg.intermediate_size // xc.tp
@@ -193,7 +195,7 @@ def _mlp(cfg: ModelConfig, xc: ExecConfig, x, o, lp: LayerParams):
     return x + mm("btf,fh->bth", jax.nn.silu(gate) * up, lp.w_down)
 
 
-def _moe(cfg: ModelConfig, h, lp: LayerParams):
+def _moe(cfg: ModelConfig, h, lp: LayerParams, ragged_dot=lax.ragged_dot):
     """The MoE MLP of the normalised h [b, t, h]. Qwen3 (`moe_style` "qwen3"): each
     token's top-k experts by router softmax (fp32), their SwiGLU outputs summed with the
     routing weights (renormalised to sum to 1 when `norm_topk_prob`). gpt-oss: the router
@@ -207,7 +209,8 @@ def _moe(cfg: ModelConfig, h, lp: LayerParams):
     token would cost e/k times the FLOPs. No capacity limit: no token is ever dropped, so
     a token's output does not depend on which other tokens share the call (as decode,
     verify and draft need). XLA on the CPU lowers ragged_dot to one dense dot over
-    masked copies of the rows, e times the work: fine at test sizes."""
+    masked copies of the rows, e times the work: fine at test sizes. (So does XLA on the
+    GPU: `benchmarks.moe_memory`; `ragged_dot` swaps in another grouped matmul.)"""
     b, t, hd = h.shape
     e, k, f = cfg.num_experts, cfg.experts_per_token, cfg.moe_intermediate_size
     gpt_oss = cfg.moe_style == "gpt-oss"
@@ -227,14 +230,14 @@ def _moe(cfg: ModelConfig, h, lp: LayerParams):
     order = jnp.argsort(flat, stable=True)
     sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
     prec = lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
-    gate_up = lax.ragged_dot(x[order // k], lp.w_expert_gate_up, sizes, precision=prec)
+    gate_up = ragged_dot(x[order // k], lp.w_expert_gate_up, sizes, precision=prec)
     if lp.b_expert_gate_up is not None:  # each sorted row's own expert's bias
         gate_up = gate_up + lp.b_expert_gate_up[flat[order]]
     if gpt_oss:
         act = _clamped_swiglu(gate_up[:, :f], gate_up[:, f:], cfg)
     else:
         act = jax.nn.silu(gate_up[:, :f]) * gate_up[:, f:]  # [b*t*k, f]
-    out = lax.ragged_dot(act, lp.w_expert_down, sizes, precision=prec)  # sorted rows
+    out = ragged_dot(act, lp.w_expert_down, sizes, precision=prec)  # sorted rows
     if lp.b_expert_down is not None:
         out = out + lp.b_expert_down[flat[order]]
     out = jnp.zeros_like(out).at[order].set(out, unique_indices=True)  # token-major again

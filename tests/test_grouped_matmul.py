@@ -1,0 +1,55 @@
+"""The MoE grouped matmul's routing between jax's Mosaic-GPU kernel and XLA's ragged_dot,
+and its execution choice. (The Mosaic kernel itself runs only on Hopper GPUs:
+`python -m benchmarks.moe_memory` checks it there against XLA's ragged_dot.)"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.grouped_matmul import mosaic_fits, ragged_dot
+from tests.cuda import lower_cuda
+from vegas_jax.execution import ExecConfig
+
+sd = jax.ShapeDtypeStruct
+
+
+def _lowered(dtype, k, n):
+    return lower_cuda(lambda a, b, g: ragged_dot(a, b, g, impl="mosaic"),
+                      sd((32, k), dtype), sd((8, k, n), dtype), sd((8,), jnp.int32))
+
+
+def test_mosaic_lowers_for_bf16_whole_tiles():
+    txt = _lowered(jnp.bfloat16, 256, 128)
+    assert "custom_call @mosaic_gpu" in txt and "chlo.ragged_dot" not in txt
+
+
+@pytest.mark.parametrize("dtype,k,n", [(jnp.float32, 256, 128),  # fp32: no TF32 products
+                                       (jnp.bfloat16, 2880, 2880)])  # gpt-oss down
+def test_falls_back_to_xla_where_the_kernel_does_not_fit(dtype, k, n):
+    assert not mosaic_fits(jnp.zeros((1, k), dtype), jnp.zeros((1, k, n), dtype))
+    txt = _lowered(dtype, k, n)
+    assert "custom_call @mosaic_gpu" not in txt and "chlo.ragged_dot" in txt
+
+
+def test_xla_path_is_ragged_dot():
+    ks = jax.random.split(jax.random.PRNGKey(0), 2)
+    a = jax.random.normal(ks[0], (10, 64))
+    w = jax.random.normal(ks[1], (3, 64, 128))
+    sizes = jnp.array([4, 0, 6], jnp.int32)
+    out = ragged_dot(a, w, sizes, precision=jax.lax.Precision.HIGHEST, impl="mosaic")
+    ref = np.concatenate([np.asarray(a[:4]) @ np.asarray(w[0]),
+                          np.asarray(a[4:]) @ np.asarray(w[2])])
+    np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-5, atol=1e-4)
+
+
+def test_impl_choice():
+    with pytest.raises(ValueError, match="impl"):
+        ragged_dot(jnp.zeros((2, 64)), jnp.zeros((1, 64, 128)), jnp.array([2]), impl="triton")
+    assert ExecConfig().resolve("cpu").moe == "xla"
+    with pytest.raises(ValueError, match="Hopper"):
+        ExecConfig(moe="mosaic").resolve("cpu")
+    with pytest.raises(ValueError, match="one device"):
+        ExecConfig(moe="mosaic", tp=2)
+    with pytest.raises(ValueError, match="moe"):
+        ExecConfig(moe="megablox")
