@@ -108,6 +108,19 @@ def build_parser():
     return p
 
 
+def memory_line(what: str, tree=None) -> str:
+    """Device memory in use and its peak so far (where the backend reports them), and the
+    bytes of `tree`'s arrays: where a large model's memory went."""
+    stats = jax.devices()[0].memory_stats() or {}
+    gib = 2**30
+    line = (f"memory after {what}: {stats.get('bytes_in_use', 0) / gib:.1f} GiB in use, "
+            f"peak {stats.get('peak_bytes_in_use', 0) / gib:.1f} GiB of "
+            f"{stats.get('bytes_limit', 0) / gib:.1f}")
+    if tree is not None:
+        line += f"; these arrays {sum(a.nbytes for a in jax.tree.leaves(tree)) / gib:.1f} GiB"
+    return line
+
+
 def main(argv=None) -> int:
     from vegas_jax.bench import Phases, profile_cache
     from vegas_jax.execution import exec_from_args
@@ -124,12 +137,15 @@ def main(argv=None) -> int:
     phases = args.phases.split(",")
     model = load_model(args.model, random_init=True, exec_config=exec_from_args(args))
     xc = model.exec_config
+    tag = f"{args.label} " if args.label else ""
+    print(f"{tag}{memory_line('loading the weights', model.params)}")
     cache = profile_cache(model.config, args.batch, args.context, args.gamma, jnp.bfloat16)
+    print(f"{tag}{memory_line('making the cache', cache)}")
     sp = SamplingParams(args.temperature, args.top_k, args.top_p)
     spec = SpecConfig(method=args.method, gamma=args.gamma, sparsity=args.sparsity)
     ph = Phases(model, cache, spec, sp, xc)
+    print(f"{tag}{memory_line('setting up the phases')}")
     out = {"args": vars(args), "device": jax.devices()[0].device_kind, "exec": str(xc)}
-    tag = f"{args.label} " if args.label else ""
     print(f"{tag}{xc}")
 
     runs = {
