@@ -70,3 +70,45 @@ def test_sparse_drafts_of_finished_sequences_read_nothing(pallas_interpret, fuse
         def run(p):
             return attention(p, PALLAS, q, kc, vc, 1, pos)[0]
     _split_rows(run(plan), run(plan.replace(active=ACTIVE)))
+
+
+def test_merged_draft_layer_computes_the_fused_one(pallas_interpret):
+    """`ExecConfig(draft="merged")`: a draft step through the draft-only merged weights
+    (three matmuls a layer, the MLP's norm scale applied after its product) gives the
+    logits and cache of the fused draft step (fp32: to rounding); the weights are really
+    read (zeroing w_draft_o changes the logits); verify and plain decoding never read them."""
+    import dataclasses
+
+    from vegas_jax.cache import KVCache
+    from vegas_jax.model import forward, layout_params
+    from tests.tiny import tiny_model
+
+    m = tiny_model(scale=0.3)
+    fused = dataclasses.replace(PALLAS, draft="fused")
+    merged = dataclasses.replace(PALLAS, draft="merged")
+    pf, pm = layout_params(m.params, fused), layout_params(m.params, merged)
+    assert pf.layers.w_draft_in is None and pm.layers.w_draft_in is not None
+    assert ExecConfig(draft="merged").resolve("cpu").draft == "fused"  # XLA path: no use
+    cfg, L, b, s = m.config, m.config.num_layers, 3, 96
+    kc, vc = _cache(L=L, b=b, kh=cfg.num_kv_heads, s=s, d=cfg.head_dim)
+    cache = KVCache(k=kc, v=vc, lengths=jnp.array([63, 64, 65]))
+    K = 12
+    idx = jax.random.randint(jax.random.PRNGKey(7), (L, b, K), 0, 50)
+    plan = AttnPlan(mode="sparse", tail_len=5, idx=idx, count=jnp.full((L, b), K),
+                    tail_start=jnp.array([60, 61, 62]))
+    tok = jnp.array([[5], [17], [42]])
+    pos = jnp.array([[63], [64], [65]])
+
+    def draft(p, xc):
+        logits, c, _ = forward(p, cfg, xc, tok, pos, cache, plan)
+        return np.asarray(logits), np.asarray(c.k)
+
+    (lf, kf), (lm, km) = draft(pf, fused), draft(pm, merged)
+    np.testing.assert_allclose(lm, lf, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(km, kf, rtol=1e-5, atol=1e-5)
+    broken = pm.replace(layers=pm.layers.replace(w_draft_o=jnp.zeros_like(pm.layers.w_draft_o)))
+    assert np.abs(draft(broken, merged)[0] - lf).max() > 1e-2
+    # a verify (dense plan) through the merged params ignores the draft-only weights
+    vf, _, _ = forward(pf, cfg, fused, tok, pos, cache, AttnPlan())
+    vm, _, _ = forward(broken, cfg, merged, tok, pos, cache, AttnPlan())
+    np.testing.assert_array_equal(np.asarray(vm), np.asarray(vf))

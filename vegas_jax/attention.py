@@ -203,7 +203,7 @@ def fused_draft(plan: AttnPlan, xc, cfg) -> bool:
     (projection biases do not commute with the input norm's row scale the kernel applies,
     and its in-kernel normalisation has no sink term)."""
     return (plan.mode == "sparse" and plan.picker is None and xc.attn == "pallas"
-            and xc.draft == "fused"
+            and xc.draft in ("fused", "merged")
             and not (cfg.attn_bias or cfg.attn_sinks or cfg.sliding_layers))
 
 

@@ -15,7 +15,7 @@ import jax
 ATTN = ("auto", "pallas", "xla")
 GEMM = ("auto", "triton", "cublas")
 LAYERS = ("auto", "scan", "unrolled")
-DRAFT = ("auto", "fused", "split")
+DRAFT = ("auto", "fused", "split", "merged")
 SELECT = ("auto", "pallas", "xla")
 PREFILL = ("auto", "pallas", "cudnn")
 MOE = ("auto", "xla", "mosaic")
@@ -39,7 +39,11 @@ class ExecConfig:
       The params' layout must match (`layout_params`).
     draft: with the Pallas kernels, a sparse draft step's attention block (Q/K norm, RoPE,
       K/V write, sparse attention, combine) runs as one "fused" kernel or "split" into
-      XLA ops around the sparse-attention kernel; no effect on the XLA path.
+      XLA ops around the sparse-attention kernel; no effect on the XLA path. "merged":
+      fused, and a draft layer's four matmuls as three through draft-only weights made at
+      load (`model.merge_draft`: the MLP's gate/up rides on the input projection and on
+      the output projection through wo @ w_gate_up; dense models, one device; more weight
+      memory: for small models whose draft matmuls are launch bound).
     select: the selection's top-k threshold: one "pallas" kernel that reads the scores
       once, or XLA count passes ("xla", one read of the scores a pass).
     prefill: with the Pallas kernels, a prompt's attention from its first token: the
@@ -72,6 +76,8 @@ class ExecConfig:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if int(self.tp) != self.tp or self.tp < 1:
             raise ValueError(f"tp must be a whole number >= 1, got {self.tp}")
+        if self.draft == "merged" and self.tp > 1:
+            raise ValueError("draft='merged' runs on one device: use draft='fused' with tp > 1")
         if self.moe == "mosaic" and self.tp > 1:
             raise ValueError("moe='mosaic' runs on one device: use moe='xla' with tp > 1")
 
@@ -91,7 +97,9 @@ class ExecConfig:
             attn=attn,
             gemm=self.gemm if self.gemm != "auto" else ("cublas" if gpu else "triton"),
             layers=self.layers if self.layers != "auto" else ("unrolled" if gpu else "scan"),
-            draft=self.draft if self.draft != "auto" else "fused",
+            # the merged weights serve the fused Pallas draft only: elsewhere, none made
+            draft=("fused" if self.draft == "auto" or (self.draft == "merged" and attn != "pallas")
+                   else self.draft),
             select=self.select if self.select != "auto" else attn,
             prefill=self.prefill if self.prefill != "auto" else ("cudnn" if gpu else "pallas"),
             moe=moe,
@@ -155,7 +163,9 @@ def add_exec_args(p) -> None:
     p.add_argument("--draft-attn", default="auto", choices=DRAFT,
                    help="Pallas path only: a draft step's attention block (norm, RoPE, K/V "
                    "write, sparse attention) as one fused kernel (auto) or split into XLA "
-                   "ops around the sparse-attention kernel")
+                   "ops around the sparse-attention kernel; merged: fused, and the draft "
+                   "layer's four matmuls as three through extra draft-only weights (dense "
+                   "models, one device)")
     p.add_argument("--select-impl", default="auto", choices=SELECT,
                    help="the selection's top-k threshold: one Pallas kernel reading the "
                    "scores once, or XLA count passes; auto: pallas where the attention is")

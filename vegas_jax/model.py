@@ -63,6 +63,15 @@ class LayerParams:
     b_router: jax.Array | None = None  # [L, e]
     b_expert_gate_up: jax.Array | None = None  # [L, e, 2f]: gate | up
     b_expert_down: jax.Array | None = None  # [L, e, h]
+    # Draft-only weights (`ExecConfig.draft` "merged", made at load by `merge_draft`; never
+    # saved): a draft layer's four matmuls as three. The attention's input projection and
+    # the MLP's gate/up both read the layer input (their norms' row scales are applied
+    # after the product), and the MLP input is x + o @ wo, so
+    # gate/up = r2 (x @ w_gate_up + o @ (wo @ w_gate_up)).
+    w_draft_in: jax.Array | None = None  # [L, h, (n + 2k)*d + 2f]: w_qkv | w_gate_up
+    w_draft_o: jax.Array | None = None  # [L, n*d, h + 2f]: wo | wo @ w_gate_up
+
+DRAFT_ONLY = ("w_draft_in", "w_draft_o")
 
 
 # Fused field -> the checkpoint projections it holds, in column order (last axis).
@@ -143,8 +152,13 @@ def _layer(cfg: ModelConfig, xc: ExecConfig, write: bool, plan: AttnPlan, cos, s
     # commutes with the projection, so the draft kernel applies it (one launch fewer a
     # layer); drafts only, the verify and plain decoding keep the model's exact order
     scaled_in_kernel = fused and lp.attn_norm is None
+    merged = scaled_in_kernel and lp.w_draft_in is not None
     h = x if scaled_in_kernel else rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
-    qkv = mm("bth,hn->btn", h, lp.w_qkv)  # [b, t, (n + 2k)*d]
+    if merged:  # [b, t, (n + 2k)*d + 2f]: the projection and the MLP's x @ w_gate_up
+        both = mm("bth,hn->btn", x, lp.w_draft_in)
+        qkv, gate_up_x = both[..., :lp.w_qkv.shape[-1]], both[..., lp.w_qkv.shape[-1]:]
+    else:
+        qkv = mm("bth,hn->btn", h, lp.w_qkv)  # [b, t, (n + 2k)*d]
     if lp.b_qkv is not None:
         qkv = qkv + lp.b_qkv
     if fused:  # the attention block in one kernel
@@ -154,6 +168,8 @@ def _layer(cfg: ModelConfig, xc: ExecConfig, write: bool, plan: AttnPlan, cos, s
         o, k_cache, v_cache = sparse_block(plan, xc, cfg, qkv, qn, kn, rope, k_cache,
                                            v_cache, li, positions,
                                            x.reshape(b, -1) if scaled_in_kernel else None)
+        if merged:
+            return _merged_mlp(cfg, x, o, gate_up_x, lp), k_cache, v_cache, None
         return _mlp(cfg, xc, x, o, lp), k_cache, v_cache, None
     # columns per shard: [q_i | k_i | v_i] for each of the tp shards (`sharding`)
     per = qkv.reshape(b, t, xc.tp, -1)  # [b, t, tp, (n + 2k)*d / tp]
@@ -193,6 +209,47 @@ def _mlp(cfg: ModelConfig, xc: ExecConfig, x, o, lp: LayerParams):
     gate = gate_up[..., :f].reshape(b, t, -1)  # [b, t, f]
     up = gate_up[..., f:].reshape(b, t, -1)
     return x + mm("btf,fh->bth", jax.nn.silu(gate) * up, lp.w_down)
+
+
+def _merged_mlp(cfg: ModelConfig, x, o, gate_up_x, lp: LayerParams):
+    """A merged draft layer after attention (`w_draft_o`): one matmul gives o @ wo and
+    o @ (wo @ w_gate_up); with gate_up_x = x @ w_gate_up from the layer's first matmul,
+    the MLP's input x2 = x + o @ wo and its RMS-normalised gate/up
+    r2 (gate_up_x + o @ wo @ w_gate_up), r2 = rsqrt(mean(x2**2) + eps) (the norm's weight
+    is folded into w_gate_up). Drafts only: rounded differently from `_mlp`."""
+    b, t, hd = x.shape
+    both = mm("btn,nh->bth", o.reshape(b, t, -1).astype(x.dtype), lp.w_draft_o)
+    x2 = x + both[..., :hd]  # [b, t, h]
+    xf = x2.astype(jnp.float32)
+    r2 = lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + cfg.rms_norm_eps)
+    gate_up = ((gate_up_x.astype(jnp.float32) + both[..., hd:].astype(jnp.float32))
+               * r2).astype(x.dtype)  # [b, t, 2f]
+    f = cfg.intermediate_size
+    return x2 + mm("btf,fh->bth", jax.nn.silu(gate_up[..., :f]) * gate_up[..., f:], lp.w_down)
+
+
+def merge_draft(params: Params) -> Params:
+    """Params with the draft-only merged weights (`LayerParams.w_draft_in` / `w_draft_o`)
+    of every layer, for `ExecConfig.draft` "merged": dense models whose norm weights are
+    folded (`fold_norms`), without projection biases. wo @ w_gate_up is multiplied in
+    fp32 and rounded once. Memory: a layer's q/k/v, gate/up and o weights again, plus the
+    [n*d, 2f] product (SmolLM2-135M: +265 MB)."""
+    @jax.jit
+    def one(lp: LayerParams) -> LayerParams:
+        prod = jnp.einsum("...nh,...hf->...nf", lp.wo.astype(jnp.float32),
+                          lp.w_gate_up.astype(jnp.float32),
+                          precision=lax.Precision.HIGHEST).astype(lp.wo.dtype)
+        return lp.replace(w_draft_in=jnp.concatenate([lp.w_qkv, lp.w_gate_up], axis=-1),
+                          w_draft_o=jnp.concatenate([lp.wo, prod], axis=-1))
+
+    layers = params.layers
+    first = layers[0] if isinstance(layers, tuple) else layers
+    if first.w_gate_up is None or first.attn_norm is not None or first.mlp_norm is not None \
+            or first.b_qkv is not None or first.bo is not None:
+        raise ValueError("draft='merged' needs a dense MLP, folded norm weights and no "
+                         "projection biases (Llama / Qwen3 dense models)")
+    return params.replace(layers=tuple(map(one, layers)) if isinstance(layers, tuple)
+                          else one(layers))
 
 
 def _moe(cfg: ModelConfig, h, lp: LayerParams, ragged_dot=lax.ragged_dot):
@@ -397,9 +454,17 @@ def unstack_layers(params: Params) -> Params:
 
 
 def layout_params(params: Params, xc: ExecConfig, donate: bool = False) -> Params:
-    """The layer layout `xc.layers` runs on, norm weights folded (`fold_norms`)."""
+    """The layer layout `xc.layers` runs on, norm weights folded (`fold_norms`), with the
+    draft-only merged weights when `xc.draft` is "merged" (`merge_draft`)."""
     params = fold_norms(params, donate)
+    if xc.draft == "merged" and params_layer(params).w_draft_in is None:
+        params = merge_draft(params)
     return unstack_layers(params) if xc.layers == "unrolled" else stack_layers(params)
+
+
+def params_layer(params: Params) -> LayerParams:
+    """The first layer's weights (stacked: every layer's)."""
+    return params.layers[0] if isinstance(params.layers, tuple) else params.layers
 
 
 def init_params(cfg: ModelConfig, key, dtype=jnp.bfloat16, scale: float = 0.02) -> Params:
