@@ -11,7 +11,7 @@ variant and row count, XLA's temp allocation for one layer (`memory_analysis`), 
 largest buffers of the optimised HLO, the time per call (random weights), and each
 variant's largest difference from XLA's ragged_dot. Variants: "ragged_dot" (XLA),
 "gather" (each row's expert weights gathered), "mosaic" (jax's Mosaic-GPU grouped
-matmul, `pallas_kernels.grouped_matmul`; Hopper only)."""
+matmul; Hopper only), "triton" (our few-rows Pallas kernel); `pallas_kernels.grouped_matmul`."""
 
 from __future__ import annotations
 
@@ -75,7 +75,8 @@ def main():
     p.add_argument("--model", default="qwen3-30b-a3b", help="registered MoE model name")
     p.add_argument("--rows", default="4,28,64,448", help="comma-separated token counts")
     p.add_argument("--reps", type=int, default=20, help="timed calls per variant")
-    p.add_argument("--variants", default="ragged_dot,gather,mosaic", help="which to run")
+    p.add_argument("--variants", default="ragged_dot,mosaic,triton", help="which to run "
+                   "(ragged_dot first: the others are compared with it; also: gather)")
     a = p.parse_args()
     cfg = get_config(a.model)
     e, hd, f = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
@@ -93,7 +94,9 @@ def main():
         outs = {}
         variants = [("ragged_dot", _moe), ("gather", gather_moe),
                     ("mosaic", functools.partial(
-                        _moe, ragged_dot=functools.partial(ragged_dot, impl="mosaic")))]
+                        _moe, ragged_dot=functools.partial(ragged_dot, impl="mosaic"))),
+                    ("triton", functools.partial(
+                        _moe, ragged_dot=functools.partial(ragged_dot, impl="triton")))]
         for name, fn in [v for v in variants if v[0] in a.variants.split(",")]:
             jf = jax.jit(lambda h, lp, fn=fn: fn(cfg, h, lp))
             try:

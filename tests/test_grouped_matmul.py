@@ -45,7 +45,7 @@ def test_xla_path_is_ragged_dot():
 
 def test_impl_choice():
     with pytest.raises(ValueError, match="impl"):
-        ragged_dot(jnp.zeros((2, 64)), jnp.zeros((1, 64, 128)), jnp.array([2]), impl="triton")
+        ragged_dot(jnp.zeros((2, 64)), jnp.zeros((1, 64, 128)), jnp.array([2]), impl="cutlass")
     assert ExecConfig().resolve("cpu").moe == "xla"
     with pytest.raises(ValueError, match="Hopper"):
         ExecConfig(moe="mosaic").resolve("cpu")
@@ -53,3 +53,31 @@ def test_impl_choice():
         ExecConfig(moe="mosaic", tp=2)
     with pytest.raises(ValueError, match="moe"):
         ExecConfig(moe="megablox")
+
+
+@pytest.mark.parametrize("sizes", [(3, 0, 20, 1, 0, 8),  # a group over one row tile
+                                   (0, 0, 0, 0, 0, 32),  # every row in the last group
+                                   (1, 1, 1, 1, 1, 2)])  # more groups than tiles
+def test_triton_grouped_matmul_matches_ragged_dot(sizes):
+    """Our few-rows kernel (interpret mode, fp32) against XLA's ragged_dot: rows sorted by
+    group, empty groups, a group longer than a row tile, a last tile past the rows."""
+    from pallas_kernels.grouped_matmul import grouped_matmul, tile_plan
+
+    sizes = jnp.array(sizes, jnp.int32)
+    m, g, k, n = int(sizes.sum()), sizes.shape[0], 128, 128
+    ks = jax.random.split(jax.random.PRNGKey(int(sizes[0]) + m), 2)
+    a = jax.random.normal(ks[0], (m, k))
+    w = jax.random.normal(ks[1], (g, k, n))
+    ref = jax.lax.ragged_dot(a, w, sizes, precision=jax.lax.Precision.HIGHEST)
+    out = grouped_matmul(a, w, sizes, interpret=True)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-4)
+    grp, row0, rows = tile_plan(sizes, m, 16)
+    assert int(rows.sum()) == m  # every row in exactly one tile
+    assert grp.shape[0] == min(g, m) + -(-m // 16) - 1
+
+
+def test_triton_grouped_matmul_lowers_for_cuda():
+    txt = lower_cuda(lambda a, b, g: ragged_dot(a, b, g, impl="triton"),
+                     sd((32, 2048), jnp.bfloat16), sd((128, 2048, 1536), jnp.bfloat16),
+                     sd((128,), jnp.int32))
+    assert "xla.gpu.triton" in txt and "chlo.ragged_dot" not in txt

@@ -18,7 +18,7 @@ LAYERS = ("auto", "scan", "unrolled")
 DRAFT = ("auto", "fused", "split", "merged")
 SELECT = ("auto", "pallas", "xla")
 PREFILL = ("auto", "pallas", "cudnn")
-MOE = ("auto", "xla", "mosaic")
+MOE = ("auto", "xla", "mosaic", "triton")
 
 # GPU defaults, from kernel profiles and host timings (BENCHMARKS.md, "What changed",
 # "Weight reads" and "Host dispatch"): decode-shaped matmuls read large weights several
@@ -52,7 +52,9 @@ class ExecConfig:
       always run the kernel.
     moe: mixture-of-experts grouped matmuls through XLA's `lax.ragged_dot` ("xla"; on the
       GPU a dense computation over every expert) or jax's Mosaic-GPU grouped matmul
-      ("mosaic", Hopper only; `pallas_kernels.grouped_matmul`).
+      ("mosaic", Hopper only; `pallas_kernels.grouped_matmul`), or our Pallas Triton
+      grouped matmul for few rows ("triton": reads only the experts in use, no spare tiles;
+      not yet timed).
     tp: tensor-parallel degree: the model split across this many devices (`sharding`).
     "auto" resolves by backend: on the GPU cuBLAS and unrolled layers; elsewhere the XLA
     path and a scan; fused drafts wherever the Pallas kernels run; the selection's kernel
@@ -176,8 +178,9 @@ def add_exec_args(p) -> None:
     p.add_argument("--moe-impl", default="auto", choices=MOE,
                    help="mixture-of-experts models: grouped expert matmuls through XLA's "
                    "ragged_dot (dense over every expert on the GPU) or jax's Mosaic-GPU "
-                   "grouped matmul (reads only the experts in use; Hopper only); auto: "
-                   "mosaic on an H100/H200 without --tp, xla elsewhere")
+                   "grouped matmul (reads only the experts in use; Hopper only) or our "
+                   "Pallas Triton one for few rows (triton); auto: mosaic on an H100/H200 "
+                   "without --tp, xla elsewhere")
 
 
 def exec_from_args(args) -> ExecConfig:
