@@ -4,7 +4,8 @@
 # two `run` calls back to back), the prompts as token ids (.gpu_a/prompts.json: the GPU
 # image's transformers cannot read the GGUF's tokenizer), the gguf wheel in .gpu_a/whl.
 #   bash benchmarks/e2e_smollm2.sh [batch ...]      (default: 64 128 1)
-# METHODS=a,b,c and GAMMAS=6,8 override the methods and gammas of the batched runs.
+# METHODS=a,b,c and GAMMAS=6,8 override the methods and gammas of the batched runs;
+# EXTRA="--draft-attn merged" (any bench flags) is added to every run.
 set -u
 export PYTHONPATH=.:/tmp/site PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=2
 OUT=${OUT:-/tmp/e2e}
@@ -14,7 +15,8 @@ if [ ! -f /tmp/smol.gguf ]; then cat .gpu_a/smolpart00 .gpu_b/smolpart01 > /tmp/
 echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  /tmp/smol.gguf" \
   | sha256sum -c || exit 1
 B="python3 -m vegas_jax.bench --checkpoint /tmp/smol.gguf --prompts-json .gpu_a/prompts.json
-   --context 7680 --new-tokens 256 --save $OUT --profile-methods vegas --profile-reps 3"
+   --context 7680 --new-tokens 256 --save $OUT --profile-methods vegas --profile-reps 3
+   ${EXTRA:-}"
 S="--temperature 0.6 --top-p 0.95 --top-k 20"
 for b in ${*:-64 128 1}; do
   if [ "$b" = 1 ]; then
