@@ -443,7 +443,9 @@ def sparse_step(qkv, q_norm, k_norm, rope, k_cache, v_cache, layer, idx, count, 
     """One draft token's attention block for one layer, in one Pallas (Triton) call:
     `sparse_step_reference`'s semantics.
 
-    qkv [b, 1, (n + 2k) * d]: the layer's raw Q/K/V projection; x [b, h] or None: the
+    qkv [b, 1, (n + 2k) * d + extra]: the layer's raw Q/K/V projection, possibly followed
+    by other columns of the same matmul (a merged draft's gate/up: whole heads' widths,
+    never read, so no slice is copied out for the kernel); x [b, h] or None: the
     layer's input, when qkv is its projection before the input RMS norm (whose weight is
     folded into the projection): the kernel scales each sequence's q, k, v by the norm's
     rsqrt(mean(x**2) + eps), one kernel launch a layer fewer; q_norm, k_norm [d]: the Q
@@ -457,6 +459,10 @@ def sparse_step(qkv, q_norm, k_norm, rope, k_cache, v_cache, layer, idx, count, 
     b = qkv.shape[0]
     _, _, kh, s, d = k_cache.shape
     g = num_heads // kh
+    if qkv.shape[-1] % d or qkv.shape[-1] < (num_heads + 2 * kh) * d:
+        raise ValueError(f"qkv's last axis ({qkv.shape[-1]}) must hold the {num_heads + 2 * kh} "
+                         f"q/k/v heads of width {d}, and whole heads after them")
+    n_rows = qkv.shape[-1] // d  # the kernel reads rows 0 .. num_heads + 2 kh - 1 only
     idx4, cnt3, idx_layer, per_head = _index_inputs(b, idx, count, idx_layer)
     n_idx = idx4.shape[-1]
     blocks = blocks or STEP_BLOCKS
@@ -491,7 +497,7 @@ def sparse_step(qkv, q_norm, k_norm, rope, k_cache, v_cache, layer, idx, count, 
     res = pl.pallas_call(
         kernel,
         grid=(b, kh, n_prog),
-        in_specs=[*[whole((1,))] * len(scalars), whole((b, num_heads + 2 * kh, d)),
+        in_specs=[*[whole((1,))] * len(scalars), whole((b, n_rows, d)),
                   *[whole(a.shape) for a in xs],
                   *[whole((d,))] * len(norms), whole((b, 2, half)), whole(idx4.shape),
                   whole(cnt3.shape), whole((b,)), whole((b,)), whole(k_cache.shape),
@@ -503,7 +509,7 @@ def sparse_step(qkv, q_norm, k_norm, rope, k_cache, v_cache, layer, idx, count, 
                                             num_stages=blocks.num_stages),
         interpret=interpret,
         name="vegas_sparse_step",
-    )(*scalars, qkv.reshape(b, num_heads + 2 * kh, d), *xs, *norms, rope.astype(jnp.float32),
+    )(*scalars, qkv.reshape(b, n_rows, d), *xs, *norms, rope.astype(jnp.float32),
       idx4, cnt3, tail_start.astype(jnp.int32), q_pos.astype(jnp.int32), k_cache, v_cache)
     k_cache, v_cache = res[-2:]
     if normalize:
@@ -525,8 +531,9 @@ def sparse_step_reference(qkv, q_norm, k_norm, rope, k_cache, v_cache, layer, id
         xf = x.astype(jnp.float32)
         r = lax.rsqrt(jnp.mean(xf * xf, axis=-1) + eps)  # [b]
         qkv = (qkv.astype(jnp.float32) * r[:, None, None]).astype(qkv.dtype)
-    y = qkv.reshape(b, 1, num_heads + 2 * kh, d)
-    q, k, v = y[:, :, :num_heads], y[:, :, num_heads:num_heads + kh], y[:, :, num_heads + kh:]
+    y = qkv.reshape(b, 1, -1, d)  # columns past the q/k/v heads are ignored
+    q, k = y[:, :, :num_heads], y[:, :, num_heads:num_heads + kh]
+    v = y[:, :, num_heads + kh:num_heads + 2 * kh]
     cos = jnp.concatenate([rope[:, 0], rope[:, 0]], -1)[:, None]  # [b, 1, d]
     sin = jnp.concatenate([rope[:, 1], rope[:, 1]], -1)[:, None]
 

@@ -155,8 +155,10 @@ def _layer(cfg: ModelConfig, xc: ExecConfig, write: bool, plan: AttnPlan, cos, s
     merged = scaled_in_kernel and lp.w_draft_in is not None
     h = x if scaled_in_kernel else rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
     if merged:  # [b, t, (n + 2k)*d + 2f]: the projection and the MLP's x @ w_gate_up
-        both = mm("bth,hn->btn", x, lp.w_draft_in)
-        qkv, gate_up_x = both[..., :lp.w_qkv.shape[-1]], both[..., lp.w_qkv.shape[-1]:]
+        # the draft kernel takes the whole product and reads its q/k/v columns only
+        # (a slice would be copied out for it: one launch a layer)
+        qkv = mm("bth,hn->btn", x, lp.w_draft_in)
+        gate_up_x = qkv[..., lp.w_qkv.shape[-1]:]
     else:
         qkv = mm("bth,hn->btn", h, lp.w_qkv)  # [b, t, (n + 2k)*d]
     if lp.b_qkv is not None:
