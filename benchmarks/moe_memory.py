@@ -25,19 +25,16 @@ import jax.numpy as jnp
 
 from pallas_kernels.grouped_matmul import ragged_dot
 from vegas_jax.config import get_config
-from vegas_jax.model import LayerParams, _moe
+from vegas_jax.model import LayerParams, _moe, moe_route
 
 
 def gather_moe(cfg, h, lp: LayerParams):
     """Each (token, expert) row multiplied by its own expert's weights, gathered per row:
     reads k experts' weights per token (no sort), for small row counts."""
     b, t, hd = h.shape
-    k, f = cfg.experts_per_token, cfg.moe_intermediate_size
+    f = cfg.moe_intermediate_size
     x = h.reshape(b * t, hd)
-    logits = (x @ lp.w_router).astype(jnp.float32)
-    weights, experts = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), k)
-    if cfg.norm_topk_prob:
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    weights, experts = moe_route(cfg, x, lp)
     wgu = lp.w_expert_gate_up[experts]  # [T, k, h, 2f]
     gu = jnp.einsum("th,tkhf->tkf", x, wgu)
     act = jax.nn.silu(gu[..., :f]) * gu[..., f:]

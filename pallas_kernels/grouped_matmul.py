@@ -34,6 +34,8 @@ IMPLS = ("xla", "mosaic", "triton")
 # k 2048 / 768, n 1536 / 2048 fit; gpt-oss's gate/up fits (k 2880, n 5760), its down
 # projection (n 2880, not a multiple of 128) falls back to XLA).
 BLOCK_M, BLOCK_N, BLOCK_K, STEPS = 64, 128, 64, 4
+# `grouped_matmul`'s default tiles
+GMM_BLOCK_M, GMM_BLOCK_N, GMM_BLOCK_K = 16, 64, 64
 
 
 def mosaic_fits(lhs, rhs) -> bool:
@@ -41,6 +43,13 @@ def mosaic_fits(lhs, rhs) -> bool:
     _, k, n = rhs.shape
     return (lhs.dtype == rhs.dtype and lhs.dtype in (jnp.bfloat16, jnp.float16)
             and k % BLOCK_K == 0 and n % BLOCK_N == 0)
+
+
+def triton_fits(lhs, rhs) -> bool:
+    """Whether `grouped_matmul` (default tiles) takes these operands."""
+    _, k, n = rhs.shape
+    return (lhs.dtype in (jnp.bfloat16, jnp.float16) and k % GMM_BLOCK_K == 0
+            and n % GMM_BLOCK_N == 0)
 
 
 def hopper() -> bool:
@@ -88,8 +97,8 @@ def _gmm_kernel(grp_ref, row0_ref, rows_ref, x_ref, w_ref, o_ref, *, block_m, bl
                    acc.astype(o_ref.dtype), mask=ok)
 
 
-def grouped_matmul(lhs, rhs, group_sizes, *, block_m=16, block_k=64, block_n=64,
-                   num_warps=4, interpret=False):
+def grouped_matmul(lhs, rhs, group_sizes, *, block_m=GMM_BLOCK_M, block_k=GMM_BLOCK_K,
+                   block_n=GMM_BLOCK_N, num_warps=4, interpret=False):
     """`lax.ragged_dot` for few rows as a Pallas (Triton) kernel: each (row tile, column
     tile) program multiplies up to block_m rows of one group by that group's [k, block_n]
     weight columns, so only groups with rows are read. k must be a multiple of block_k and
@@ -117,12 +126,12 @@ def grouped_matmul(lhs, rhs, group_sizes, *, block_m=16, block_k=64, block_n=64,
 
 def ragged_dot(lhs, rhs, group_sizes, precision=None, *, impl: str = "xla"):
     """lhs [m, k] x rhs [g, k, n] by groups -> [m, n] in lhs.dtype. impl "mosaic" runs the
-    Mosaic-GPU kernel where it fits (`mosaic_fits`), XLA's ragged_dot elsewhere (fp32
-    operands among them: the kernel's wgmma would multiply them in TF32)."""
+    Mosaic-GPU kernel where it fits (`mosaic_fits`), "triton" our `grouped_matmul` where
+    it fits (`triton_fits`), XLA's ragged_dot elsewhere (fp32 operands among them: the
+    kernels' tensor-core products would round them to TF32)."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    if impl == "triton" and lhs.dtype in (jnp.bfloat16, jnp.float16) \
-            and rhs.shape[1] % 64 == 0 and rhs.shape[2] % 64 == 0:
+    if impl == "triton" and triton_fits(lhs, rhs):
         return grouped_matmul(lhs, rhs, group_sizes)
     if impl == "mosaic" and mosaic_fits(lhs, rhs):
         from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu

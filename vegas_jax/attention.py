@@ -210,9 +210,10 @@ def fused_draft(plan: AttnPlan, xc, cfg) -> bool:
 def sparse_block(plan: AttnPlan, xc, cfg, qkv, q_norm, k_norm, rope, k_cache, v_cache, layer,
                  positions, x=None):
     """The fused draft attention block: qkv [b, 1, (n + 2k) * d] raw projection (per shard
-    [q_i | k_i | v_i]; one device: possibly followed by columns the kernel ignores), q_norm / k_norm [d], rope [b, 2, d/2] (`rope_halves`); x [b, h] or
-    None: the layer input, when qkv projects it before the input norm's row scale (the
-    kernel applies it). Returns (out [b, 1, k, g, d], k_cache, v_cache)."""
+    [q_i | k_i | v_i]; on one device possibly followed by columns the kernel ignores),
+    q_norm / k_norm [d], rope [b, 2, d/2] (`rope_halves`); x [b, h] or None: the layer
+    input, when qkv projects it before the input norm's row scale (the kernel applies it).
+    Returns (out [b, 1, k, g, d], k_cache, v_cache)."""
 
     def local(qkv, q_norm, k_norm, rope, k_cache, v_cache, layer, idx, count, tail_start,
               q_pos, at, *x):

@@ -244,14 +244,31 @@ def merge_draft(params: Params) -> Params:
         return lp.replace(w_draft_in=jnp.concatenate([lp.w_qkv, lp.w_gate_up], axis=-1),
                           w_draft_o=jnp.concatenate([lp.wo, prod], axis=-1))
 
-    layers = params.layers
-    first = layers[0] if isinstance(layers, tuple) else layers
+    first = params_layer(params)
     if first.w_gate_up is None or first.attn_norm is not None or first.mlp_norm is not None \
             or first.b_qkv is not None or first.bo is not None:
         raise ValueError("draft='merged' needs a dense MLP, folded norm weights and no "
                          "projection biases (Llama / Qwen3 dense models)")
-    return params.replace(layers=tuple(map(one, layers)) if isinstance(layers, tuple)
-                          else one(layers))
+    return map_layers(params, one)
+
+
+def moe_route(cfg: ModelConfig, x, lp: LayerParams):
+    """Each token's experts and their weights: x [T, h] -> (weights [T, k] fp32, experts
+    [T, k]). Qwen3: top-k of the router's softmax (renormalised with `norm_topk_prob`);
+    gpt-oss: the router's bias, then the softmax of the k largest logits alone."""
+    k = cfg.experts_per_token
+    logits = mm("th,he->te", x, lp.w_router)
+    if lp.b_router is not None:
+        logits = logits + lp.b_router
+    logits = logits.astype(jnp.float32)
+    if cfg.moe_style == "gpt-oss":
+        top, experts = lax.top_k(logits, k)
+        weights = jax.nn.softmax(top, axis=-1)
+    else:
+        weights, experts = lax.top_k(jax.nn.softmax(logits, axis=-1), k)
+    if cfg.norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights, experts
 
 
 def _moe(cfg: ModelConfig, h, lp: LayerParams, ragged_dot=lax.ragged_dot):
@@ -274,17 +291,7 @@ def _moe(cfg: ModelConfig, h, lp: LayerParams, ragged_dot=lax.ragged_dot):
     e, k, f = cfg.num_experts, cfg.experts_per_token, cfg.moe_intermediate_size
     gpt_oss = cfg.moe_style == "gpt-oss"
     x = h.reshape(b * t, hd)
-    logits = mm("th,he->te", x, lp.w_router)
-    if lp.b_router is not None:
-        logits = logits + lp.b_router
-    logits = logits.astype(jnp.float32)
-    if gpt_oss:
-        top, experts = lax.top_k(logits, k)
-        weights = jax.nn.softmax(top, axis=-1)
-    else:
-        weights, experts = lax.top_k(jax.nn.softmax(logits, axis=-1), k)
-    if cfg.norm_topk_prob:
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    weights, experts = moe_route(cfg, x, lp)
     flat = experts.reshape(-1)  # [b*t*k], row r is token r // k
     order = jnp.argsort(flat, stable=True)
     sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
@@ -433,9 +440,7 @@ def fold_norms(params: Params, donate: bool = False) -> Params:
                               w_expert_gate_up=fold(norm, lp.w_expert_gate_up))
         return lp.replace(w_gate_up=fold(norm, lp.w_gate_up))
 
-    layers = params.layers
-    return params.replace(layers=tuple(map(one, layers)) if isinstance(layers, tuple)
-                          else one(layers))
+    return map_layers(params, one)
 
 
 def stack_layers(params: Params) -> Params:
@@ -467,6 +472,14 @@ def layout_params(params: Params, xc: ExecConfig, donate: bool = False) -> Param
 def params_layer(params: Params) -> LayerParams:
     """The first layer's weights (stacked: every layer's)."""
     return params.layers[0] if isinstance(params.layers, tuple) else params.layers
+
+
+def map_layers(params: Params, fn) -> Params:
+    """Params with `fn` applied to the layer weights: to each layer's buffers (unrolled
+    layout) or once to the stacked ones."""
+    layers = params.layers
+    return params.replace(layers=tuple(map(fn, layers)) if isinstance(layers, tuple)
+                          else fn(layers))
 
 
 def init_params(cfg: ModelConfig, key, dtype=jnp.bfloat16, scale: float = 0.02) -> Params:

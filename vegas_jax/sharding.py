@@ -61,7 +61,7 @@ def shard_columns(widths: tuple[int, ...], tp: int) -> np.ndarray:
 
 def to_shard_layout(params, cfg: ModelConfig, tp: int):
     """Params with the fused projections' columns in the per-shard layout (tp = 1: as is)."""
-    from vegas_jax.model import fused_widths
+    from vegas_jax.model import fused_widths, map_layers
 
     if tp == 1:
         return params
@@ -71,14 +71,14 @@ def to_shard_layout(params, cfg: ModelConfig, tp: int):
         return lp.replace(**{f: getattr(lp, f)[..., shard_columns(widths[f], tp)]
                              for f in widths})
 
-    layers = params.layers
-    layers = tuple(map(permute, layers)) if isinstance(layers, tuple) else permute(layers)
-    return params.replace(layers=layers)
+    return map_layers(params, permute)
 
 
 def param_shardings(params, tp: int):
     """NamedSharding of every parameter leaf: columns of w_qkv / w_gate_up and rows of
     wo / w_down split across the mesh, everything else replicated."""
+    from vegas_jax.model import map_layers
+
     m = mesh(tp)
 
     def layer(lp):
@@ -93,11 +93,9 @@ def param_shardings(params, tp: int):
             return NamedSharding(m, P())
         return lp.replace(**{f: spec(f, getattr(lp, f)) for f in lp.__dataclass_fields__})
 
-    layers = params.layers
-    layers = tuple(map(layer, layers)) if isinstance(layers, tuple) else layer(layers)
     rep = NamedSharding(m, P())
-    return params.replace(embed=rep, final_norm=rep, layers=layers,
-                          lm_head=None if params.lm_head is None else rep)
+    return map_layers(params, layer).replace(embed=rep, final_norm=rep,
+                                             lm_head=None if params.lm_head is None else rep)
 
 
 def place_params(params, cfg: ModelConfig, tp: int):
