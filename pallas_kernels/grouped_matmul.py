@@ -9,9 +9,11 @@ On Hopper GPUs the "mosaic" path runs jax's own Pallas Mosaic-GPU grouped matmul
 experts that have rows and needs no temporaries (0.61 ms at 448 rows, bitwise equal).
 Its grid holds G - 1 spare row tiles that still run their K loop (0.40 ms at 4 rows,
 where 32 experts' weights take ~0.07 ms to read): the "triton" path (`grouped_matmul`,
-a Pallas Triton kernel of our own, not yet timed on a GPU) has one program per
-(non-empty row tile, column tile), at most min(g, m) + m / 16 row tiles, and spare
-programs exit at once.
+a Pallas Triton kernel of our own) has one program per (non-empty row tile, column
+tile), at most min(g, m) + m / 16 row tiles, and spare programs exit at once. "pallas"
+picks between the two by the (static) row count: on the H100 (one Qwen3-30B-A3B layer,
+`benchmarks.moe_memory`, BENCHMARKS.md 2026-12-02 f) triton took 0.30 / 0.47 / 0.56 /
+0.80 ms at 4 / 28 / 64 / 448 tokens against mosaic's 0.51 / 0.52 / 0.55 / 0.73.
 
 Shapes: lhs [m, k] rows sorted by group; rhs [g, k, n]; group_sizes [g] (summing to m).
 """
@@ -28,7 +30,10 @@ from jax.experimental.pallas import triton as pltr
 
 from pallas_kernels.common import dot, whole
 
-IMPLS = ("xla", "mosaic", "triton")
+IMPLS = ("xla", "mosaic", "triton", "pallas")
+# "pallas": the Triton kernel up to this many expert rows (tokens x experts per token:
+# 28 tokens of Qwen3-MoE's top-8 are 224 rows), the Mosaic kernel above
+TRITON_MAX_ROWS = 256
 
 # The Mosaic kernel's tiles: block_k must divide k and block_n must divide n (Qwen3-MoE:
 # k 2048 / 768, n 1536 / 2048 fit; gpt-oss's gate/up fits (k 2880, n 5760), its down
@@ -128,9 +133,13 @@ def ragged_dot(lhs, rhs, group_sizes, precision=None, *, impl: str = "xla"):
     """lhs [m, k] x rhs [g, k, n] by groups -> [m, n] in lhs.dtype. impl "mosaic" runs the
     Mosaic-GPU kernel where it fits (`mosaic_fits`), "triton" our `grouped_matmul` where
     it fits (`triton_fits`), XLA's ragged_dot elsewhere (fp32 operands among them: the
-    kernels' tensor-core products would round them to TF32)."""
+    kernels' tensor-core products would round them to TF32). impl "pallas": "triton" up
+    to TRITON_MAX_ROWS rows, "mosaic" above (and where triton does not fit)."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if impl == "pallas":
+        few = lhs.shape[0] <= TRITON_MAX_ROWS and triton_fits(lhs, rhs)
+        impl = "triton" if few else "mosaic"
     if impl == "triton" and triton_fits(lhs, rhs):
         return grouped_matmul(lhs, rhs, group_sizes)
     if impl == "mosaic" and mosaic_fits(lhs, rhs):

@@ -47,10 +47,11 @@ def test_impl_choice():
     with pytest.raises(ValueError, match="impl"):
         ragged_dot(jnp.zeros((2, 64)), jnp.zeros((1, 64, 128)), jnp.array([2]), impl="cutlass")
     assert ExecConfig().resolve("cpu").moe == "xla"
-    with pytest.raises(ValueError, match="Hopper"):
-        ExecConfig(moe="mosaic").resolve("cpu")
-    with pytest.raises(ValueError, match="one device"):
-        ExecConfig(moe="mosaic", tp=2)
+    for impl in ("mosaic", "pallas"):
+        with pytest.raises(ValueError, match="Hopper"):
+            ExecConfig(moe=impl).resolve("cpu")
+        with pytest.raises(ValueError, match="one device"):
+            ExecConfig(moe=impl, tp=2)
     with pytest.raises(ValueError, match="moe"):
         ExecConfig(moe="megablox")
 
@@ -81,3 +82,17 @@ def test_triton_grouped_matmul_lowers_for_cuda():
                      sd((32, 2048), jnp.bfloat16), sd((128, 2048, 1536), jnp.bfloat16),
                      sd((128,), jnp.int32))
     assert "xla.gpu.triton" in txt and "chlo.ragged_dot" not in txt
+
+
+@pytest.mark.parametrize("rows,kernel", [(32, "xla.gpu.triton"), (256, "xla.gpu.triton"),
+                                         (264, "custom_call @mosaic_gpu")])
+def test_pallas_picks_the_kernel_by_row_count(rows, kernel):
+    """impl "pallas": our Triton kernel up to TRITON_MAX_ROWS expert rows (decode and
+    draft sizes), the Mosaic one above (verify and prefill sizes)."""
+    from pallas_kernels.grouped_matmul import TRITON_MAX_ROWS
+
+    assert TRITON_MAX_ROWS == 256
+    txt = lower_cuda(lambda a, b, g: ragged_dot(a, b, g, impl="pallas"),
+                     sd((rows, 2048), jnp.bfloat16), sd((128, 2048, 1536), jnp.bfloat16),
+                     sd((128,), jnp.int32))
+    assert kernel in txt and "chlo.ragged_dot" not in txt

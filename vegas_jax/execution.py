@@ -18,7 +18,7 @@ LAYERS = ("auto", "scan", "unrolled")
 DRAFT = ("auto", "fused", "split", "merged")
 SELECT = ("auto", "pallas", "xla")
 PREFILL = ("auto", "pallas", "cudnn")
-MOE = ("auto", "xla", "mosaic", "triton")
+MOE = ("auto", "xla", "mosaic", "triton", "pallas")
 
 # GPU defaults, from kernel profiles and host timings (BENCHMARKS.md, "What changed",
 # "Weight reads" and "Host dispatch"): decode-shaped matmuls read large weights several
@@ -53,13 +53,13 @@ class ExecConfig:
     moe: mixture-of-experts grouped matmuls through XLA's `lax.ragged_dot` ("xla"; on the
       GPU a dense computation over every expert) or jax's Mosaic-GPU grouped matmul
       ("mosaic", Hopper only; `pallas_kernels.grouped_matmul`), or our Pallas Triton
-      grouped matmul for few rows ("triton": reads only the experts in use, no spare tiles;
-      not yet timed).
+      grouped matmul ("triton": reads only the experts in use, no spare tiles; faster up
+      to ~32 tokens), or "pallas": triton for few rows, mosaic for many (Hopper only).
     tp: tensor-parallel degree: the model split across this many devices (`sharding`).
     "auto" resolves by backend: on the GPU cuBLAS and unrolled layers; elsewhere the XLA
     path and a scan; fused drafts wherever the Pallas kernels run; the selection's kernel
-    where the attention's are; cuDNN prefills on the GPU; Mosaic grouped matmuls on a
-    Hopper GPU without tensor parallelism."""
+    where the attention's are; cuDNN prefills on the GPU; the Pallas grouped matmuls
+    (triton for few rows, mosaic for many) on a Hopper GPU without tensor parallelism."""
 
     attn: str = "auto"
     gemm: str = "auto"
@@ -80,21 +80,21 @@ class ExecConfig:
             raise ValueError(f"tp must be a whole number >= 1, got {self.tp}")
         if self.draft == "merged" and self.tp > 1:
             raise ValueError("draft='merged' runs on one device: use draft='fused' with tp > 1")
-        if self.moe == "mosaic" and self.tp > 1:
-            raise ValueError("moe='mosaic' runs on one device: use moe='xla' with tp > 1")
+        if self.moe in ("mosaic", "pallas") and self.tp > 1:
+            raise ValueError(f"moe={self.moe!r} runs on one device: use moe='xla' with tp > 1")
 
     def resolve(self, backend: str | None = None) -> "ExecConfig":
         """Concrete choices on `backend` (default: JAX's)."""
         gpu = (backend or jax.default_backend()) == "gpu"
         attn = self.attn if self.attn != "auto" else ("pallas" if gpu else "xla")
-        if self.moe == "mosaic" and not gpu:
-            raise ValueError("moe='mosaic' needs a Hopper GPU (H100 / H200): use moe='xla'")
+        if self.moe in ("mosaic", "pallas") and not gpu:
+            raise ValueError(f"moe={self.moe!r} needs a Hopper GPU (H100 / H200): use moe='xla'")
         if self.moe != "auto":
             moe = self.moe
         else:
             from pallas_kernels.grouped_matmul import hopper
 
-            moe = "mosaic" if gpu and self.tp == 1 and hopper() else "xla"
+            moe = "pallas" if gpu and self.tp == 1 and hopper() else "xla"
         return ExecConfig(
             attn=attn,
             gemm=self.gemm if self.gemm != "auto" else ("cublas" if gpu else "triton"),
@@ -179,8 +179,9 @@ def add_exec_args(p) -> None:
                    help="mixture-of-experts models: grouped expert matmuls through XLA's "
                    "ragged_dot (dense over every expert on the GPU) or jax's Mosaic-GPU "
                    "grouped matmul (reads only the experts in use; Hopper only) or our "
-                   "Pallas Triton one for few rows (triton); auto: mosaic on an H100/H200 "
-                   "without --tp, xla elsewhere")
+                   "Pallas Triton one (triton; faster up to ~32 tokens) or pallas (triton "
+                   "for few rows, mosaic for many; Hopper only); auto: pallas on an "
+                   "H100/H200 without --tp, xla elsewhere")
 
 
 def exec_from_args(args) -> ExecConfig:
