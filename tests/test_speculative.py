@@ -361,18 +361,65 @@ def test_auto_drops_rounds_that_cannot_win():
     from vegas_jax.speculative import AutoController
 
     ctl = AutoController(SpecConfig(method=Auto(gammas=(4,)), gamma=4))
-    assert ctl.queue == [0, 0, 0, 0, 4, 4, 4]
+    assert ctl.queue == [4, 4, 4, 4]  # one gamma: no second one to fit a line with
     ctl.queue = [4, 4]
     ctl.times[0] = [0.008] * 2
     ctl.times[4] = [0.010]
     assert ctl.choose() == 0 and ctl.queue == []
 
 
+def _drive_auto(ctl, cost, n_acc, calls, now):
+    """Drive `ctl` like `drive` (one call in flight) with a fake clock: a call of
+    configuration c takes cost[c] of device time; every round accepts n_acc."""
+    ctl.runners = {c: (lambda st, c=c: (st, c)) for c in cost}
+    flight = []
+
+    def dispatch():
+        c = ctl.choose()
+        ctl.run(c, None)
+        flight.append(c)
+
+    dispatch()
+    for _ in range(calls):
+        dispatch()
+        c = flight.pop(0)
+        now[0] += cost[c]
+        ctl.read(None if c == 0 else np.array([min(n_acc, c)]), np.array([True]))
+
+
+@pytest.mark.parametrize("plain_step,draft,n_acc,plain", [
+    (0.005, 0.0011, 8, False),  # B 64-like: verify ~ a step, cheap drafts: never plain
+    (0.0012, 0.0011, 1, True),  # B 1-like: launch-bound drafts, few accepted: plain wins
+])
+def test_auto_explores_rounds_first_and_plain_steps_only_where_they_can_win(
+        monkeypatch, plain_step, draft, n_acc, plain):
+    """auto starts with rounds of two gammas (the line's slope); plain steps (8 a call)
+    are tried only when the rounds' intercept says they could win, and then chosen only if
+    they do."""
+    from vegas_jax import speculative as spec_mod
+    from vegas_jax.selection import Auto
+    from vegas_jax.speculative import AutoController
+
+    now = [0.0]
+    monkeypatch.setattr(spec_mod.time, "perf_counter", lambda: now[0])
+    ctl = AutoController(SpecConfig(method=Auto(gammas=(4, 6, 8)), gamma=6))
+    assert ctl.queue == [6, 6, 6, 6, 4, 4, 4]
+    verify = 1.3 * plain_step  # a verify reads what a step reads, and captures
+    cost = {0: 8 * plain_step, **{g: verify + g * draft for g in (4, 6, 8)}}
+    _drive_auto(ctl, cost, n_acc, 40, now)
+    assert (ctl.calls[0] > 0) == plain
+    if plain:
+        assert ctl.choose() == 0
+    else:  # every draft accepted: 5 / 10.9 ms, 7 / 13.1 ms, 9 / 15.3 ms: gamma 8 wins
+        assert ctl.choose() == 8
+
+
 def test_auto_does_not_time_first_dispatches(monkeypatch):
     """The interval in which an executable is dispatched for the first time (its kernels
     load on the host) is not counted: driven like `drive` (one call in flight) with a fake
-    clock where a plain call takes 8 ms, a round 10 ms and a first dispatch 30 ms more,
-    every interval the controller keeps is a call's own time."""
+    clock where a plain call takes 8 ms, a round 1.6-1.8 ms (nothing accepted: plain
+    steps get probed) and a first dispatch 30 ms more, every interval the controller
+    keeps is a call's own time."""
     from vegas_jax import speculative as spec_mod
     from vegas_jax.selection import Auto
     from vegas_jax.speculative import AutoController
@@ -380,7 +427,7 @@ def test_auto_does_not_time_first_dispatches(monkeypatch):
     now = [0.0]
     monkeypatch.setattr(spec_mod.time, "perf_counter", lambda: now[0])
     ctl = AutoController(SpecConfig(method=Auto(gammas=(2, 4)), gamma=4))
-    cost = {0: 0.008, 2: 0.009, 4: 0.010}
+    cost = {0: 0.008, 2: 0.0016, 4: 0.0018}
     ctl.runners = {c: (lambda st, c=c: (st, c)) for c in cost}
 
     def dispatch():
@@ -394,8 +441,8 @@ def test_auto_does_not_time_first_dispatches(monkeypatch):
     for _ in range(30):
         flight.append(dispatch())
         now[0] += cost[flight.pop(0)]  # the earlier call's device time
-        ctl.read(np.array([3]), np.array([True]))
-    assert ctl.times[0] and ctl.times[4]
+        ctl.read(np.array([0]), np.array([True]))
+    assert ctl.times[0] and ctl.times[2] and ctl.times[4]
     for c, ts in ctl.times.items():
         assert ts == pytest.approx([cost[c]] * len(ts)), (c, ts)
 

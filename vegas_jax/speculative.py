@@ -200,12 +200,18 @@ class AutoController:
     is seen), and tau(gamma) = 1 + sum_i prod_{j <= i} a_j from the conditional acceptance
     a_j of draft position j seen so far (positions not yet drafted take the last one seen).
     Each call goes to the configuration with the most tokens per second (tau / t for
-    rounds, VANILLA_STEPS / t for plain steps). It starts with plain decoding, then the
-    configured gamma; it drops the rounds still queued for exploration as soon as a round
-    could not beat plain decoding even with every draft accepted (tau = gamma + 1, the
-    small model's case); every REPROBE calls it runs the runner-up once, when its estimate
-    is within REPROBE_MARGIN of the best, so an estimate from a few early calls does not
-    decide the whole run. Every candidate is compiled before decoding starts (`prepare`):
+    rounds, VANILLA_STEPS / t for plain steps). It starts with rounds of the configured
+    gamma, then of a second candidate (two gammas give the line's slope). Plain steps are
+    run only where they could win: the line's intercept a (the part of a round that does
+    not grow with gamma: the verify's full-attention pass, which reads what a plain step
+    reads, and more) bounds a plain step's time, and plain decoding is tried when 1 / a
+    comes within PLAIN_MARGIN of the best round's rate (small, launch-bound batches). At
+    B = 64 the old start (four calls of 8 plain steps) cost ~15 % of a 256-token run
+    (H100, BENCHMARKS.md 2026-12-02 f). It drops the rounds still queued for exploration
+    as soon as a round could not beat measured plain decoding even with every draft
+    accepted (tau = gamma + 1); every REPROBE calls it runs the runner-up once, when its
+    estimate is within REPROBE_MARGIN of the best, so an estimate from a few early calls
+    does not decide the whole run. Every candidate is compiled before decoding starts (`prepare`):
     a switch never stalls the device. The first call of each executable loads its kernels
     on the host while it is dispatched (milliseconds on the GPU), so the interval in which
     that happens is not counted (`run` marks it, `read` drops it): counted, it made plain
@@ -217,13 +223,17 @@ class AutoController:
     VANILLA_STEPS = 8
     REPROBE = 12
     REPROBE_MARGIN = 0.15
+    PLAIN_MARGIN = 0.3  # a verify also captures and selects: a is ~1.3 plain steps at B 1
 
     def __init__(self, spec: SpecConfig):
         self.spec = spec
         g0 = spec.gamma
         self.gammas = sorted(set(spec.method.gammas or (max(g0 - 2, 1), g0, g0 + 2)) | {g0})
-        # one more plain call than rounds: the interval of the first round's dispatch is dropped
-        self.queue = [0] * (self.WINDOW + 1) + [g0] * self.WINDOW
+        # one more call of the first configuration: the first read has no interval
+        lower = [g for g in self.gammas if g < g0]
+        second = lower[-1] if lower else next((g for g in self.gammas if g > g0), None)
+        self.queue = [g0] * (self.WINDOW + 1) + [second] * self.WINDOW * (second is not None)
+        self.plain_probed = False
         self.times: dict[int, list[float]] = collections.defaultdict(list)
         top = max(self.gammas)
         self.trials = np.zeros(top + 1)
@@ -261,6 +271,12 @@ class AutoController:
             return self.queue.pop(0)
         if not rates:
             return self.spec.gamma
+        if 0 not in rates and not self.plain_probed:
+            self.plain_probed = True  # asked once: a plain probe's estimate then decides
+            step = self.plain_step_bound()
+            if step is not None and 1 / step >= (1 - self.PLAIN_MARGIN) * max(rates.values()):
+                self.queue = [0] * self.WINDOW
+                return self.queue.pop(0)
         ranked = sorted(rates, key=rates.get, reverse=True)
         best = ranked[0]
         if not self.times.get(best):  # chosen on an estimate: measure it
@@ -314,6 +330,22 @@ class AutoController:
                 return a + b * gamma
         g, t = min(pts, key=lambda p: p[1] / (p[0] + 1))  # one gamma seen, or noise
         return t * (gamma + 1) / (g + 1)
+
+    def plain_step_bound(self) -> float | None:
+        """A plain step's time estimated from the rounds alone: the intercept of the line
+        through the round times (from above: a verify reads the whole cache, as a step
+        does, and also captures and selects), or with no usable line the shortest round
+        time per token it processes (t / (gamma + 1), from below where drafts are cheaper
+        than steps). None before any round is timed."""
+        pts = [(g, float(np.median(t[-8:]))) for g, t in self.times.items() if g and t]
+        if not pts:
+            return None
+        if len(pts) > 1:
+            gs, ts = np.array(pts).T
+            b, a = np.polyfit(gs, ts, 1)
+            if b > 0 and a > 0:
+                return float(a)
+        return min(t / (g + 1) for g, t in pts)
 
     def rates(self) -> dict[int, float]:
         out = {}
