@@ -323,6 +323,25 @@ def test_auto_equals_vanilla_and_reports_its_choices(tiny, prompts, vanilla):
     assert auto["warmed"] == 4
 
 
+def test_auto_rounds_after_a_larger_gamma_see_their_own_positions(tiny, prompts, vanilla,
+                                                                   monkeypatch):
+    """Rounds alternate gamma 6 and 2 at sparsity 1 (the draft reads everything: every
+    draft is accepted) only if each round's tail reaches its own positions; a gamma 2
+    round's own tail (5 entries) ends before them after a gamma 6 round accepted 7."""
+    from vegas_jax.selection import Auto
+    from vegas_jax.speculative import AutoController
+
+    order = iter([6, 2] * 20)
+    monkeypatch.setattr(AutoController, "choose", lambda self: next(order))
+    res = speculative_generate(tiny, prompts, 48, SpecConfig(method=Auto(gammas=(2, 6)),
+                                                             gamma=6, sparsity=1.0,
+                                                             min_tokens=1))
+    assert res.tokens == vanilla.tokens
+    calls = res.stats["auto"]["calls"]
+    assert calls["gamma 2"] >= 2 and calls["gamma 6"] >= 2
+    assert res.stats["acceptance_conditional"] == [1.0] * 6
+
+
 def test_auto_cost_model():
     """tau from conditional acceptance, time from a line through the measured rounds, and
     the choice of the configuration with the most tokens per second."""
@@ -445,6 +464,28 @@ def test_auto_does_not_time_first_dispatches(monkeypatch):
     assert ctl.times[0] and ctl.times[2] and ctl.times[4]
     for c, ts in ctl.times.items():
         assert ts == pytest.approx([cost[c]] * len(ts)), (c, ts)
+
+
+def test_auto_times_a_call_only_when_the_host_waited_at_both_ends():
+    """A read that found its output ready (the host was late) may have let the next call
+    start before it: the interval that read opens is not the call's device time, and is
+    kept apart (used only while a configuration has no other)."""
+    from vegas_jax.selection import Auto
+    from vegas_jax.speculative import AutoController
+
+    ctl = AutoController(SpecConfig(method=Auto(gammas=(4,)), gamma=4))
+    ctl.runners = {c: (lambda st: (st, None)) for c in (0, 4)}
+    reads = [(0, 0.0, 1e-3), (0, 0.008, 1e-3),  # waited: 8 ms, the device's time
+             (0, 0.020, 0.0), (0, 0.024, 1e-3),  # ready on arrival: the next interval is short
+             (4, 0.034, 0.0), (4, 0.040, 0.0)]  # host-bound rounds (the first one's
+    # interval holds its first dispatch: not counted)
+    for c, at, wait in reads:
+        ctl.run(c, None)
+        ctl.read(None if c == 0 else np.array([4]), np.array([True]), at, wait)
+    assert ctl.times[0] == pytest.approx([0.008]) and ctl.loose[0] == pytest.approx([0.012, 0.004])
+    assert ctl.call_time(0) == pytest.approx(0.008)
+    assert not ctl.times[4] and ctl.call_time(4) == pytest.approx(0.006)
+    assert ctl.stats()["timed_calls"] == {"vanilla": [1, 2], "gamma 4": [0, 1]}
 
 
 def test_auto_ignores_acceptance_of_a_round_after_plain_steps():

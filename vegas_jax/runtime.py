@@ -645,7 +645,8 @@ def drive(step: Callable, state, collector: TokenCollector, clock: DecodeClock, 
     device keeps its own stop state (`Progress`): finished sequences emit nothing, and the
     call in flight when everything ends runs on after this returns, its output unread
     (stop detection lags by one call). `out` starts with the emitted tokens [b, T] (-1 =
-    none) and the device's done flags [b]; `on_out` sees each output (host arrays).
+    none) and the device's done flags [b]; `on_out(out, ready_at, wait_s)` sees each
+    output (host arrays), when it arrived and how long the host blocked for it.
     `refill` hands finished slots the waiting prompts: it rewrites the state the next call
     starts from (the call in flight still ran the finished sequence, which emits nothing)."""
     state, out = step(state)
@@ -657,7 +658,7 @@ def drive(step: Callable, state, collector: TokenCollector, clock: DecodeClock, 
         t2 = time.perf_counter()
         active = collector.add([row[row >= 0] for row in out[0]])
         if on_out is not None:
-            on_out(out)
+            on_out(out, t2, t2 - t1)  # when it arrived, how long the host waited for it
         if refill is not None:
             state = refill(state)
             active = ~collector.done

@@ -469,14 +469,26 @@ class Auto(Method):
     def check(self, spec):
         self.base.check(spec)
 
+    def candidates(self, gamma: int) -> tuple[int, ...]:
+        """The gammas auto chooses among when configured with `gamma`."""
+        return tuple(sorted(set(self.gammas or (max(gamma - 2, 1), gamma, gamma + 2))
+                            | {gamma}))
+
     def tail_len(self, spec, max_len):
-        return self.base.tail_len(spec, max_len)
+        # A round follows rounds of any candidate gamma: vegas's tail must hold what the
+        # largest accepted (up to its gamma + 1 tokens) and this round's drafts. Sized for
+        # the round's own gamma, a gamma 4 round after a gamma 8 one drafted from a tail
+        # that ended before its own positions (auto at B = 1 on the H200: positions 5-8
+        # accepted 0.09 / 0.00). `gammas` is resolved (`candidates`) by the controller.
+        top = max((*self.gammas, spec.gamma))
+        return self.base.tail_len(dataclasses.replace(spec, gamma=top), max_len)
 
     def init(self, spec, cache, scores, lens, xc):
         return self.base.init(spec, cache, scores, lens, xc)
 
     def draft_plan(self, spec, sel, cache, pos):
-        return self.base.draft_plan(spec, sel, cache, pos)
+        plan = self.base.draft_plan(spec, sel, cache, pos)
+        return plan.replace(tail_len=max(plan.tail_len, self.tail_len(spec, cache.max_len)))
 
     def update(self, spec, sel, scores, cache, n, n_acc, xc):
         return self.base.update(spec, sel, scores, cache, n, n_acc, xc)
