@@ -370,7 +370,9 @@ def test_auto_cost_model():
     ctl.calls[4] = 1  # not a re-probe call
     assert ctl.choose() == 4  # the most tokens per second: tau 4.25 in 10 ms
     ctl.calls[4] = ctl.REPROBE  # every REPROBE calls the runner-up (gamma 6, 400/s) once
-    assert ctl.choose() == 6
+    assert ctl.choose() == 6 and ctl.queue == []
+    ctl.times[0] = [0.0023 * 8] * 3  # plain steps best (435/s), gamma 4 (425/s) runner-up:
+    assert ctl.choose() == 4 and ctl.queue == [4]  # two rounds, the first one's is stale
 
 
 def test_auto_drops_rounds_that_cannot_win():

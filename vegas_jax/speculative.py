@@ -172,6 +172,20 @@ def spec_round(params, cfg: ModelConfig, xc: ExecConfig, state: SpecState, spec:
     return new, emitted, jnp.copy(progress.done), n_acc, active
 
 
+@model_jit(static_argnames=("cfg", "xc", "spec", "sp", "n_steps"), donate_argnames=("state",))
+def plain_steps(params, cfg: ModelConfig, xc: ExecConfig, state: SpecState, spec: SpecConfig,
+                sp: SamplingParams, n_steps: int):
+    """`n_steps` plain decoding steps from a speculative state (auto's plain calls), and the
+    selection state the next round drafts from (`Method.after_plain`; rounds of any gamma
+    >= spec.gamma follow). Returns (state, emitted [b, n_steps], done [b], None, None): a
+    round's outputs, with no acceptance."""
+    ds, toks, done = decode_steps(params, cfg, xc, DecodeState(state.cache, state.x0,
+                                                               state.key, state.progress),
+                                  sp, n_steps)
+    sel = spec.method.after_plain(spec, state.sel, ds.cache.lengths)
+    return SpecState(ds.cache, ds.tok, ds.key, sel, ds.progress), toks, done, None, None
+
+
 @functools.partial(jax.jit, static_argnames=("spec", "xc"), donate_argnames=("cache",))
 def init_state(spec: SpecConfig, xc: ExecConfig, cache: KVCache, x0, key, scores, lens,
                progress: Progress) -> SpecState:
@@ -250,20 +264,24 @@ class AutoController:
         self.prev = None  # the configuration dispatched before the one being read
         self.calls = collections.Counter()
         self.runners: dict[int, Callable] = {}
+        self.dispatch_s: dict[int, list[float]] = collections.defaultdict(list)
         self.compile_s = 0.0
         self.warmed = 0  # candidates run once before decoding (`prepare`)
 
-    def prepare(self, make: Callable[[int], Callable], warm: Callable | None = None):
-        """Compile every candidate (`make(config)` returns its runner) before decoding, and
-        hand each to `warm` (which runs it once on a copy of the state): an executable's
-        first call loads its kernels on the host, and in the middle of decoding that
-        stalled the device (auto at B = 1 on the H200: 4.6 ms of dispatch a call against
-        1.1 for vegas alone, 0.75x vanilla)."""
+    def prepare(self, make: Callable[[int], Callable], warm: Callable | None = None,
+                ahead: Callable[[int], None] | None = None):
+        """Compile every candidate before decoding: `make(config)` returns its runner,
+        `warm` runs it once on a copy of the state (compiling it and loading its kernels:
+        a first call in the middle of decoding stalled the device, auto at B = 1 on the
+        H200: 4.6 ms of dispatch a call against 1.1 for vegas alone, 0.75x vanilla); where
+        it cannot (no room for a copy), `ahead(config)` compiles it."""
         t = time.perf_counter()
         for c in [0, *self.gammas]:
             self.runners[c] = make(c)
             if warm is not None and warm(self.runners[c]):
                 self.warmed += 1
+            elif ahead is not None:
+                ahead(c)
         self.compile_s = time.perf_counter() - t
 
     def choose(self) -> int:
@@ -289,6 +307,10 @@ class AutoController:
             self.queue = [best] * (self.WINDOW - 1)
         elif (len(ranked) > 1 and sum(self.calls.values()) % self.REPROBE == 0
               and rates[ranked[1]] > (1 - self.REPROBE_MARGIN) * rates[best]):
+            if best == 0 and ranked[1] != 0:
+                # the first round after plain steps drafts from a stale selection and its
+                # acceptance is not counted: a second one is what updates the estimate
+                self.queue = [ranked[1]]
             return ranked[1]
         return best
 
@@ -297,7 +319,10 @@ class AutoController:
         # dispatched while the call before it runs: the interval that the next read closes
         self.skip_next |= self.calls[config] == 0
         self.calls[config] += 1
-        return self.runners[config](state)
+        t = time.perf_counter()
+        out = self.runners[config](state)
+        self.dispatch_s[config].append(time.perf_counter() - t)
+        return out
 
     def read(self, n_acc=None, active=None, ready_at=None, wait_s=None):
         """Called as each call's output is read, in dispatch order. ready_at: when the
@@ -394,6 +419,9 @@ class AutoController:
             # intervals the host waited for at both ends (the device's time) / the others
             "timed_calls": {name(c): [len(self.times.get(c, ())), len(self.loose.get(c, ()))]
                             for c in sorted(self.calls)},
+            # the host's time handing each call to the runtime (median)
+            "dispatch_ms": {name(c): 1e3 * float(np.median(t))
+                            for c, t in sorted(self.dispatch_s.items())},
             "compile_s": self.compile_s,
             "warmed": self.warmed,
         }
@@ -469,30 +497,30 @@ def speculative_generate(
         return auto.run(auto.choose(), st)
 
     if auto is not None:
-        def make(config):  # compiled ahead; called with the dynamic arguments only
+        def call(config):  # (jitted function, its static arguments after the state)
+            if config == 0:  # plain decoding on the same cache; the selection goes stale
+                low = dataclasses.replace(auto.spec, gamma=min(auto.gammas))
+                return plain_steps, (low, sampling, AutoController.VANILLA_STEPS)
+            return spec_round, (dataclasses.replace(auto.spec, gamma=config), sampling)
+
+        def make(config):
+            # the jitted functions themselves, dispatched like the other methods' rounds
+            # (`.lower().compile()` executables took 7-9 ms of host time a call on the
+            # H200 against 1.0-1.6 for jit's own dispatch: auto 0.55x vanilla at B 1)
+            fn, static = call(config)
+
+            def run(st):
+                st, *out = fn(model.params, cfg, xc, st, *static)
+                return st, tuple(out)
+            return run
+
+        def ahead(config):
+            """Compile a candidate without running it (where no copy of the state fits):
+            jit's caches keep the executable for the first real call."""
+            fn, static = call(config)
             shapes = jax.tree.map(  # with the shardings: under tp the state is split
                 lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state)
-            if config == 0:  # plain decoding on the same cache; the selection goes stale
-                ds = DecodeState(shapes.cache, shapes.x0, shapes.key, shapes.progress)
-                run = decode_steps.lower(model.params, cfg, xc, ds, sampling,
-                                         AutoController.VANILLA_STEPS).compile()
-
-                low = dataclasses.replace(auto.spec, gamma=min(auto.gammas))
-
-                def vanilla(st):
-                    ds, toks, done = run(model.params, DecodeState(st.cache, st.x0, st.key,
-                                                                   st.progress))
-                    sel = spec.method.after_plain(low, st.sel, ds.cache.lengths)
-                    return (SpecState(ds.cache, ds.tok, ds.key, sel, ds.progress),
-                            (toks, done, None, None))
-                return vanilla
-            sg = dataclasses.replace(auto.spec, gamma=config)
-            run = spec_round.lower(model.params, cfg, xc, shapes, sg, sampling).compile()
-
-            def rnd(st):
-                st, *out = run(model.params, st)
-                return st, tuple(out)
-            return rnd
+            fn.lower(model.params, cfg, xc, shapes, *static).compile()
 
         def warm(run) -> bool:
             """Run a candidate once on a copy of the state, where a copy fits in memory."""
@@ -503,7 +531,7 @@ def speculative_generate(
             jax.block_until_ready(run(jax.tree.map(jnp.copy, state)))
             return True
 
-        auto.prepare(make, warm)
+        auto.prepare(make, warm, ahead)
 
     def prefill_some(prompts, rows):  # waiting prompts, prefilled together for free slots
         grp, first, sc = prefill_group(model, xc, [ids[p] for p in prompts], rows,
