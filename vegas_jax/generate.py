@@ -30,9 +30,8 @@ class DecodeState:
     progress: Progress
 
 
-@model_jit(static_argnames=("cfg", "xc", "sp", "n_steps"), donate_argnames=("state",))
-def decode_steps(params, cfg: ModelConfig, xc: ExecConfig, state: DecodeState,
-                 sp: SamplingParams, n_steps: int):
+def decode_steps_body(params, cfg: ModelConfig, xc: ExecConfig, state: DecodeState,
+                      sp: SamplingParams, n_steps: int):
     """`n_steps` single-token steps in one scan: no host round trip per token.
 
     Returns (state, tokens [b, n_steps] with -1 where a sequence had stopped, done [b]).
@@ -54,6 +53,12 @@ def decode_steps(params, cfg: ModelConfig, xc: ExecConfig, state: DecodeState,
     key, rng = jax.random.split(state.key)
     state, toks = lax.scan(step, state.replace(key=key), jax.random.split(rng, n_steps))
     return state, toks.T, jnp.copy(state.progress.done)
+
+
+# jitted on its own; inside another jitted function, the body (a nested `model_jit` would
+# carry compiler options, which only a top-level jit may)
+decode_steps = model_jit(decode_steps_body, static_argnames=("cfg", "xc", "sp", "n_steps"),
+                         donate_argnames=("state",))
 
 
 def generate(

@@ -20,7 +20,7 @@ from vegas_jax.attention import AttnPlan, Capture
 from vegas_jax.cache import KVCache
 from vegas_jax.config import ModelConfig
 from vegas_jax.execution import ExecConfig, model_jit
-from vegas_jax.generate import DecodeState, decode_steps, generate
+from vegas_jax.generate import DecodeState, decode_steps_body, generate
 from vegas_jax.model import forward
 from vegas_jax.runtime import (
     DecodeClock, GenerationResult, Progress, Refill, available_bytes, decode_text, drive,
@@ -179,9 +179,8 @@ def plain_steps(params, cfg: ModelConfig, xc: ExecConfig, state: SpecState, spec
     selection state the next round drafts from (`Method.after_plain`; rounds of any gamma
     >= spec.gamma follow). Returns (state, emitted [b, n_steps], done [b], None, None): a
     round's outputs, with no acceptance."""
-    ds, toks, done = decode_steps(params, cfg, xc, DecodeState(state.cache, state.x0,
-                                                               state.key, state.progress),
-                                  sp, n_steps)
+    ds, toks, done = decode_steps_body(params, cfg, xc, DecodeState(
+        state.cache, state.x0, state.key, state.progress), sp, n_steps)
     sel = spec.method.after_plain(spec, state.sel, ds.cache.lengths)
     return SpecState(ds.cache, ds.tok, ds.key, sel, ds.progress), toks, done, None, None
 
