@@ -236,6 +236,7 @@ class AutoController:
     VANILLA_STEPS = 8
     REPROBE = 12
     REPROBE_MARGIN = 0.15
+    TRACE = 64  # calls kept in stats["trace"]
     WAITED_S = 2e-4  # a read that blocked this long found the device busy
     PLAIN_MARGIN = 0.3  # a verify also captures and selects: a is ~1.3 plain steps at B 1
 
@@ -264,6 +265,9 @@ class AutoController:
         self.calls = collections.Counter()
         self.runners: dict[int, Callable] = {}
         self.dispatch_s: dict[int, list[float]] = collections.defaultdict(list)
+        self._cache = None  # `_timing`'s
+        self.warm_set: set[int] = set()  # candidates run before decoding (`prepare`)
+        self.trace: list = []  # (configuration, interval ms or None) of the first calls
         self.compile_s = 0.0
         self.warmed = 0  # candidates run once before decoding (`prepare`)
 
@@ -279,6 +283,7 @@ class AutoController:
             self.runners[c] = make(c)
             if warm is not None and warm(self.runners[c]):
                 self.warmed += 1
+                self.warm_set.add(c)
             elif ahead is not None:
                 ahead(c)
         self.compile_s = time.perf_counter() - t
@@ -316,7 +321,8 @@ class AutoController:
     def run(self, config: int, state):
         self.in_flight.append(config)
         # dispatched while the call before it runs: the interval that the next read closes
-        self.skip_next |= self.calls[config] == 0
+        # (a candidate run before decoding has its kernels loaded already)
+        self.skip_next |= self.calls[config] == 0 and config not in self.warm_set
         self.calls[config] += 1
         t = time.perf_counter()
         out = self.runners[config](state)
@@ -337,6 +343,10 @@ class AutoController:
             # timed 20.9 ms against 38.9 on the H200 made auto choose plain decoding).
             fair = waited and self.last_waited
             (self.times if fair else self.loose)[config].append(now - self.last_read)
+            if len(self.trace) < self.TRACE:
+                self.trace.append((config, round(1e3 * (now - self.last_read), 3), fair))
+        elif len(self.trace) < self.TRACE:
+            self.trace.append((config, None, False))
         self.last_waited = waited
         self.skip_next = False
         self.last_read = now
@@ -358,23 +368,44 @@ class AutoController:
         alpha = np.where(seen, alpha, last)
         return 1.0 + float(np.cumprod(alpha[1:gamma + 1]).sum())
 
+    def _timing(self):
+        """(call time of each timed configuration, the line (a, b) through the rounds' or
+        None), recomputed only when a sample changed: `choose` asks for them several times
+        a call, and refitting each time (np.polyfit) took 1.2-1.6 ms of host time a call
+        on the H200."""
+        key = tuple((c, tuple(v[-8:])) for d in (self.times, self.loose)
+                    for c, v in sorted(d.items()))
+        if self._cache is None or self._cache[0] != key:
+            med = {}
+            for c in (0, *self.gammas):
+                t = self.times.get(c) or self.loose.get(c)
+                if t:
+                    med[c] = float(np.median(t[-8:]))
+            pts = [(g, t) for g, t in med.items() if g]
+            fit = None
+            if len(pts) > 1:  # least squares, closed form
+                g, t = np.array(pts, dtype=float).T
+                b = float(((g - g.mean()) * (t - t.mean())).sum() / ((g - g.mean()) ** 2).sum())
+                fit = (float(t.mean()) - b * float(g.mean()), b)
+            self._cache = (key, med, fit)
+        return self._cache[1], self._cache[2]
+
     def call_time(self, config: int) -> float | None:
         """The median of a configuration's last timed calls: those the host waited for at
         both ends, or while there are none (a host-bound loop never waits), all."""
-        t = self.times.get(config) or self.loose.get(config)
-        return float(np.median(t[-8:])) if t else None
+        return self._timing()[0].get(config)
 
     def timed(self) -> list[tuple[int, float]]:
         """(gamma, call time) of every round configuration timed so far."""
-        return [(g, t) for g in self.gammas if (t := self.call_time(g)) is not None]
+        return [(g, t) for g, t in self._timing()[0].items() if g]
 
     def round_time(self, gamma: int) -> float | None:
         pts = self.timed()
         if not pts:
             return None
-        if len(pts) > 1:
-            gs, ts = np.array(pts).T
-            b, a = np.polyfit(gs, ts, 1)
+        fit = self._timing()[1]
+        if fit is not None:
+            a, b = fit
             if b > 0 and a >= 0:
                 return a + b * gamma
         g, t = min(pts, key=lambda p: p[1] / (p[0] + 1))  # one gamma seen, or noise
@@ -383,17 +414,22 @@ class AutoController:
     def plain_step_bound(self) -> float | None:
         """A plain step's time estimated from the rounds alone: the intercept of the line
         through the round times (from above: a verify reads the whole cache, as a step
-        does, and also captures and selects), or with no usable line the shortest round
-        time per token it processes (t / (gamma + 1), from below where drafts are cheaper
-        than steps). None before any round is timed."""
+        does, and also captures and selects); where the line does not grow with gamma
+        (drafts too cheap to see among the noise) the shortest round; with one gamma timed,
+        or a line through the origin or below (launch-bound drafts, a step's cost each),
+        the shortest round time per token it processes (t / (gamma + 1), from below).
+        None before any round is timed. (At B = 64 on the H200 the per-token bound alone
+        sent auto to three calls of plain steps, 12 % of the run.)"""
         pts = self.timed()
         if not pts:
             return None
-        if len(pts) > 1:
-            gs, ts = np.array(pts).T
-            b, a = np.polyfit(gs, ts, 1)
-            if b > 0 and a > 0:
-                return float(a)
+        fit = self._timing()[1]
+        if fit is not None:
+            a, b = fit
+            if b <= 0:
+                return min(t for _, t in pts)
+            if a > 0:
+                return a
         return min(t / (g + 1) for g, t in pts)
 
     def rates(self) -> dict[int, float]:
@@ -422,6 +458,8 @@ class AutoController:
             "dispatch_ms": {name(c): 1e3 * float(np.median(t))
                             for c, t in sorted(self.dispatch_s.items())},
             "compile_s": self.compile_s,
+            # the first calls: (configuration, interval ms or None: not timed, fair)
+            "trace": [[name(c), t, f] for c, t, f in self.trace],
             "warmed": self.warmed,
         }
 
