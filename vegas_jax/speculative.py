@@ -218,7 +218,9 @@ class AutoController:
     run only where they could win: the line's intercept a (the part of a round that does
     not grow with gamma: the verify's full-attention pass, which reads what a plain step
     reads, and more) bounds a plain step's time, and plain decoding is tried when 1 / a
-    comes within PLAIN_MARGIN of the best round's rate (small, launch-bound batches). At
+    comes within PLAIN_MARGIN of the best round's rate (small, launch-bound batches),
+    once MIN_TRIALS sequence-rounds have been seen (acceptance from a handful of rounds
+    is too noisy to give up on speculation: at B = 1 the first seven said 0.71). At
     B = 64 the old start (four calls of 8 plain steps) cost ~15 % of a 256-token run
     (H100, BENCHMARKS.md 2026-12-02 f). It drops the rounds still queued for exploration
     as soon as a round could not beat measured plain decoding even with every draft
@@ -237,6 +239,10 @@ class AutoController:
     REPROBE = 12
     REPROBE_MARGIN = 0.15
     TRACE = 64  # calls kept in stats["trace"]
+    # sequence-rounds seen before plain steps may be tried: one round at B >= 24; at B = 1
+    # seven rounds' acceptance (0.71 at position 1 against 0.93 over the run) sent auto to
+    # plain decoding where vegas was 1.06x faster (H200, 2026-12-03)
+    MIN_TRIALS = 24
     WAITED_S = 2e-4  # a read that blocked this long found the device busy
     PLAIN_MARGIN = 0.3  # a verify also captures and selects: a is ~1.3 plain steps at B 1
 
@@ -299,7 +305,7 @@ class AutoController:
             return self.queue.pop(0)
         if not rates:
             return self.spec.gamma
-        if 0 not in rates and not self.plain_probed:
+        if 0 not in rates and not self.plain_probed and self.trials[1] >= self.MIN_TRIALS:
             self.plain_probed = True  # asked once: a plain probe's estimate then decides
             step = self.plain_step_bound()
             if step is not None and 1 / step >= (1 - self.PLAIN_MARGIN) * max(rates.values()):
