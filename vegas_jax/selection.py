@@ -477,9 +477,10 @@ class Auto(Method):
     def tail_len(self, spec, max_len):
         # A round follows rounds of any candidate gamma: vegas's tail must hold what the
         # largest accepted (up to its gamma + 1 tokens) and this round's drafts. Sized for
-        # the round's own gamma, a gamma 4 round after a gamma 8 one drafted from a tail
-        # that ended before its own positions (auto at B = 1 on the H200: positions 5-8
-        # accepted 0.09 / 0.00). `gammas` is resolved (`candidates`) by the controller.
+        # the round's own gamma, a gamma 2 round after a gamma 6 one drafted from a tail
+        # that could end before its own positions (tests: acceptance 0.90 at position 1
+        # where reading everything must give 1.0). `gammas` is resolved (`candidates`) by
+        # the controller.
         top = max((*self.gammas, spec.gamma))
         return self.base.tail_len(dataclasses.replace(spec, gamma=top), max_len)
 
