@@ -325,7 +325,6 @@ class AutoController:
         return best
 
     def run(self, config: int, state):
-        self.in_flight.append(config)
         # dispatched while the call before it runs: the interval that the next read closes
         # (a candidate run before decoding has its kernels loaded already)
         self.skip_next |= self.calls[config] == 0 and config not in self.warm_set
@@ -333,13 +332,14 @@ class AutoController:
         t = time.perf_counter()
         out = self.runners[config](state)
         self.dispatch_s[config].append(time.perf_counter() - t)
+        self.in_flight.append((config, self.dispatch_s[config][-1]))
         return out
 
     def read(self, n_acc=None, active=None, ready_at=None, wait_s=None):
         """Called as each call's output is read, in dispatch order. ready_at: when the
         output arrived on the host (`time.perf_counter()`; None: now); wait_s: how long
         the host blocked for it (None: it did)."""
-        config = self.in_flight.popleft()
+        config, dispatch = self.in_flight.popleft()
         now = time.perf_counter() if ready_at is None else ready_at
         waited = wait_s is None or wait_s >= self.WAITED_S
         if self.last_read is not None and not self.skip_next:  # the first read has no start
@@ -350,9 +350,9 @@ class AutoController:
             fair = waited and self.last_waited
             (self.times if fair else self.loose)[config].append(now - self.last_read)
             if len(self.trace) < self.TRACE:
-                self.trace.append((config, round(1e3 * (now - self.last_read), 3), fair))
+                self.trace.append((config, now - self.last_read, fair, wait_s, dispatch))
         elif len(self.trace) < self.TRACE:
-            self.trace.append((config, None, False))
+            self.trace.append((config, None, False, wait_s, dispatch))
         self.last_waited = waited
         self.skip_next = False
         self.last_read = now
@@ -451,6 +451,7 @@ class AutoController:
     def stats(self) -> dict:
         rates = self.rates()
         name = lambda c: "vanilla" if c == 0 else f"gamma {c}"  # noqa: E731
+        ms = lambda t: None if t is None else round(1e3 * t, 3)  # noqa: E731
         return {
             "calls": {name(c): n for c, n in sorted(self.calls.items())},
             "tokens_per_s_per_seq": {name(c): float(r) for c, r in sorted(rates.items())},
@@ -464,8 +465,9 @@ class AutoController:
             "dispatch_ms": {name(c): 1e3 * float(np.median(t))
                             for c, t in sorted(self.dispatch_s.items())},
             "compile_s": self.compile_s,
-            # the first calls: (configuration, interval ms or None: not timed, fair)
-            "trace": [[name(c), t, f] for c, t, f in self.trace],
+            # the first calls: configuration, interval ms (None: not timed), fair, the
+            # host's wait for its output and its dispatch (ms)
+            "trace": [[name(c), ms(t), f, ms(w), ms(d)] for c, t, f, w, d in self.trace],
             "warmed": self.warmed,
         }
 
