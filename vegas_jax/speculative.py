@@ -405,15 +405,18 @@ class AutoController:
         """(gamma, call time) of every round configuration timed so far."""
         return [(g, t) for g, t in self._timing()[0].items() if g]
 
+    def rounds(self):
+        """(the timed rounds' (gamma, time), the line (a, b) through them or None)."""
+        return self.timed(), self._timing()[1]
+
     def round_time(self, gamma: int) -> float | None:
-        pts = self.timed()
-        if not pts:
-            return None
-        fit = self._timing()[1]
-        if fit is not None:
+        pts, fit = self.rounds()
+        if pts and fit:
             a, b = fit
             if b > 0 and a >= 0:
                 return a + b * gamma
+        if not pts:
+            return None
         g, t = min(pts, key=lambda p: p[1] / (p[0] + 1))  # one gamma seen, or noise
         return t * (gamma + 1) / (g + 1)
 
@@ -426,16 +429,14 @@ class AutoController:
         the shortest round time per token it processes (t / (gamma + 1), from below).
         None before any round is timed. (At B = 64 on the H200 the per-token bound alone
         sent auto to three calls of plain steps, 12 % of the run.)"""
-        pts = self.timed()
+        pts, fit = self.rounds()
         if not pts:
             return None
-        fit = self._timing()[1]
         if fit is not None:
-            a, b = fit
-            if b <= 0:
+            if fit[1] <= 0:
                 return min(t for _, t in pts)
-            if a > 0:
-                return a
+            if fit[0] > 0:
+                return fit[0]
         return min(t / (g + 1) for g, t in pts)
 
     def rates(self) -> dict[int, float]:
