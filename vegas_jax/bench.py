@@ -483,7 +483,8 @@ def main(argv=None, model=None) -> int:
         print(format_table(rows, args.gamma))
         for r in rows:
             if "auto" in r:
-                print(f"auto: {r['auto']}")
+                shown = {k: v for k, v in r["auto"].items() if k != "trace"}  # trace: JSON
+                print(f"auto: {shown}")
         for r in rows:
             if "projected_tok_s" in r:
                 print(f"{r['method']}: projected {r['projected_tok_s']:.1f} tok/s at tau "
