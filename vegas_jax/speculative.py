@@ -272,10 +272,10 @@ class AutoController:
         self.runners: dict[int, Callable] = {}
         self.dispatch_s: dict[int, list[float]] = collections.defaultdict(list)
         self._cache = None  # `_timing`'s
-        self.warm_set: set[int] = set()  # candidates run before decoding (`prepare`)
-        self.trace: list = []  # (configuration, interval ms or None) of the first calls
+        self.warm_set: set[int] = set()  # candidates run once before decoding (`prepare`)
+        # the first calls: (configuration, interval s or None, fair, wait s, dispatch s)
+        self.trace: list = []
         self.compile_s = 0.0
-        self.warmed = 0  # candidates run once before decoding (`prepare`)
 
     def prepare(self, make: Callable[[int], Callable], warm: Callable | None = None,
                 ahead: Callable[[int], None] | None = None):
@@ -288,7 +288,6 @@ class AutoController:
         for c in [0, *self.gammas]:
             self.runners[c] = make(c)
             if warm is not None and warm(self.runners[c]):
-                self.warmed += 1
                 self.warm_set.add(c)
             elif ahead is not None:
                 ahead(c)
@@ -331,8 +330,9 @@ class AutoController:
         self.calls[config] += 1
         t = time.perf_counter()
         out = self.runners[config](state)
-        self.dispatch_s[config].append(time.perf_counter() - t)
-        self.in_flight.append((config, self.dispatch_s[config][-1]))
+        dt = time.perf_counter() - t
+        self.dispatch_s[config].append(dt)
+        self.in_flight.append((config, dt))
         return out
 
     def read(self, n_acc=None, active=None, ready_at=None, wait_s=None):
@@ -401,13 +401,11 @@ class AutoController:
         both ends, or while there are none (a host-bound loop never waits), all."""
         return self._timing()[0].get(config)
 
-    def timed(self) -> list[tuple[int, float]]:
-        """(gamma, call time) of every round configuration timed so far."""
-        return [(g, t) for g, t in self._timing()[0].items() if g]
-
     def rounds(self):
-        """(the timed rounds' (gamma, time), the line (a, b) through them or None)."""
-        return self.timed(), self._timing()[1]
+        """((gamma, call time) of every round configuration timed so far, the line (a, b)
+        through them or None)."""
+        med, fit = self._timing()
+        return [(g, t) for g, t in med.items() if g], fit
 
     def round_time(self, gamma: int) -> float | None:
         pts, fit = self.rounds()
@@ -469,7 +467,7 @@ class AutoController:
             # the first calls: configuration, interval ms (None: not timed), fair, the
             # host's wait for its output and its dispatch (ms)
             "trace": [[name(c), ms(t), f, ms(w), ms(d)] for c, t, f, w, d in self.trace],
-            "warmed": self.warmed,
+            "warmed": len(self.warm_set),
         }
 
 
@@ -562,7 +560,8 @@ def speculative_generate(
 
         def ahead(config):
             """Compile a candidate without running it (where no copy of the state fits):
-            jit's caches keep the executable for the first real call."""
+            jit's first real call then traces again but does not compile (checked on the
+            CPU with jax_log_compiles)."""
             fn, static = call(config)
             shapes = jax.tree.map(  # with the shardings: under tp the state is split
                 lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state)
