@@ -5,15 +5,18 @@
 # image's transformers cannot read the GGUF's tokenizer), the gguf wheel in .gpu_a/whl.
 #   bash benchmarks/e2e_smollm2.sh [batch ...]      (default: 64 128 1)
 # METHODS=a,b,c and GAMMAS=6,8 override the methods and gammas of the batched runs;
-# EXTRA="--draft-attn merged" (any bench flags) is added to every run.
+# EXTRA="--draft-attn merged" (any bench flags) is added to every run; vanilla, vegas and
+# auto alone, no phase split: METHODS=vanilla,vegas,auto GAMMAS=6 EXTRA="--profile-reps 0"
 set -u
 export PYTHONPATH=.:/tmp/site PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=2
 OUT=${OUT:-/tmp/e2e}
 python3 -c "import gguf" 2>/dev/null || python3 -m pip install -q --no-index --no-deps \
   --target /tmp/site .gpu_a/whl/*.whl || exit 1
-if [ ! -f /tmp/smol.gguf ]; then cat .gpu_a/smolpart00 .gpu_b/smolpart01 > /tmp/smol.gguf; fi
-echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  /tmp/smol.gguf" \
-  | sha256sum -c || exit 1
+SUM=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
+# re-joined unless already whole (a call that had one half left a broken file behind)
+echo "$SUM  /tmp/smol.gguf" | sha256sum -c --quiet 2>/dev/null || \
+  cat .gpu_a/smolpart00 .gpu_b/smolpart01 > /tmp/smol.gguf
+echo "$SUM  /tmp/smol.gguf" | sha256sum -c || exit 1
 B="python3 -m vegas_jax.bench --checkpoint /tmp/smol.gguf --prompts-json .gpu_a/prompts.json
    --context 7680 --new-tokens 256 --save $OUT --profile-methods vegas --profile-reps 3
    ${EXTRA:-}"
