@@ -403,7 +403,9 @@ def run(args, model=None) -> list[dict]:
                        prefill_s=st["prefill_s"], attn_impl=st["attn_impl"],
                        ms_per_call=st["ms_per_call"], host_ms_per_call=st["host_ms_per_call"],
                        wait_ms_per_call=st["wait_ms_per_call"],
-                       dispatch_ms_per_call=st["dispatch_ms_per_call"])
+                       dispatch_ms_per_call=st["dispatch_ms_per_call"],
+                       call_ms=st["call_ms"], active_by_call=st["active_by_call"],
+                       rounds_by_sequence=st.get("rounds_by_sequence"))
             if "auto" in st:
                 row["auto"] = st["auto"]
             if m == "vanilla":
@@ -435,6 +437,17 @@ def run(args, model=None) -> list[dict]:
         if base and "tok_s" in r:
             r["speedup"] = r["tok_s"] / base
     return rows
+
+
+def tail_line(row, batch: int) -> str:
+    """What the batch's tail cost: mean device ms of the calls that ran with every
+    sequence active, and of those with at most a quarter active (the batch waiting for
+    its slowest sequences; finished ones skip their attention)."""
+    def mean(sel):
+        ms = [m for m, a in zip(row["call_ms"], row["active_by_call"]) if m is not None and sel(a)]
+        return f"{sum(ms) / len(ms):.2f} ms ({len(ms)} calls)" if ms else "-"
+    return (f"tail {row['method']} g{row.get('gamma')}: all {batch} active {mean(lambda a: a == batch)}, "
+            f"<= {batch // 4} active {mean(lambda a: a <= batch // 4)}")
 
 
 def format_table(rows, gamma) -> str:
@@ -485,6 +498,9 @@ def main(argv=None, model=None) -> int:
             if "auto" in r:
                 shown = {k: v for k, v in r["auto"].items() if k != "trace"}  # trace: JSON
                 print(f"auto: {shown}")
+        for r in rows:
+            if r.get("call_ms"):
+                print(tail_line(r, args.batch))
         for r in rows:
             if "projected_tok_s" in r:
                 print(f"{r['method']}: projected {r['projected_tok_s']:.1f} tok/s at tau "

@@ -346,6 +346,8 @@ class DecodeClock:
     may have left the device idle."""
 
     READY_S = 50e-6
+    WAITED_S = 2e-4  # a read that blocked this long found the device busy
+    TRACE = 4096  # calls kept in the per-call trace
 
     def __init__(self, collector: TokenCollector):
         self.collector = collector
@@ -355,9 +357,13 @@ class DecodeClock:
         self.first = None  # (time, tokens) at the end of the first call
         self.wait_s = self.host_s = self.dispatch_s = 0.0
         self.ready_calls = 0
+        self.arrivals: list[tuple[float, float, int]] = []  # (arrived, waited, active)
 
-    def tick(self, wait_s: float = 0.0, host_s: float = 0.0, dispatch_s: float = 0.0):
+    def tick(self, wait_s: float = 0.0, host_s: float = 0.0, dispatch_s: float = 0.0,
+             arrived: float | None = None, active: int | None = None):
         self.calls += 1
+        if arrived is not None and len(self.arrivals) < self.TRACE:
+            self.arrivals.append((arrived, wait_s, -1 if active is None else int(active)))
         if self.calls == 1:
             self.first = (time.perf_counter(), self.collector.n_generated)
             return
@@ -386,7 +392,17 @@ class DecodeClock:
             "wait_ms_per_call": self.wait_s / later * 1e3,
             "dispatch_ms_per_call": self.dispatch_s / later * 1e3,
             "host_bound_calls": self.ready_calls / later,
+            **self.trace(),
         }
+
+    def trace(self) -> dict:
+        """Per call (after the first): its device time in ms, where the host blocked on
+        both its output and the one before (else None: the interval holds host time), and
+        the sequences active when it ran (those left after the call before it). Shows
+        what a batch's tail costs: the rounds where few sequences are left."""
+        ms = [round((t - t0) * 1e3, 3) if w >= self.WAITED_S and w0 >= self.WAITED_S else None
+              for (t0, w0, _), (t, w, _) in zip(self.arrivals, self.arrivals[1:])]
+        return {"call_ms": ms, "active_by_call": [a for _, _, a in self.arrivals[:-1]]}
 
 
 def eos_ids(model) -> tuple[int, ...]:
@@ -662,7 +678,8 @@ def drive(step: Callable, state, collector: TokenCollector, clock: DecodeClock, 
         if refill is not None:
             state = refill(state)
             active = ~collector.done
-        clock.tick(dispatch_s=t1 - t0, wait_s=t2 - t1, host_s=time.perf_counter() - t2)
+        clock.tick(dispatch_s=t1 - t0, wait_s=t2 - t1, host_s=time.perf_counter() - t2,
+                   arrived=t2, active=int(active.sum()))
         if not active.any() or (refill is None and out[1].all()):
             return state
         out = nxt

@@ -243,7 +243,7 @@ class AutoController:
     # seven rounds' acceptance (0.71 at position 1 against 0.93 over the run) sent auto to
     # plain decoding where vegas was 1.06x faster (H200, 2026-12-03)
     MIN_TRIALS = 24
-    WAITED_S = 2e-4  # a read that blocked this long found the device busy
+    WAITED_S = DecodeClock.WAITED_S  # a read that blocked this long found the device busy
     PLAIN_MARGIN = 0.3  # a verify also captures and selects: a is ~1.3 plain steps at B 1
 
     def __init__(self, spec: SpecConfig):
