@@ -319,7 +319,8 @@ def test_auto_equals_vanilla_and_reports_its_choices(tiny, prompts, vanilla):
     auto = res.stats["auto"]
     assert auto["calls"]["gamma 3"] >= 1 and auto["choice"] is not None
     assert set(auto["tokens_per_s_per_seq"]) <= {"vanilla", "gamma 1", "gamma 3", "gamma 5"}
-    # every candidate ran once before decoding (on a copy: the tokens above are unchanged)
+    # every candidate ran once before decoding (on the state, every sequence marked
+    # finished: the tokens above are unchanged)
     assert auto["warmed"] == 4
 
 

@@ -450,14 +450,23 @@ def stack_layers(params: Params) -> Params:
     return params.replace(layers=jax.tree.map(lambda *a: jnp.stack(a), *params.layers))
 
 
-def unstack_layers(params: Params) -> Params:
-    """Params with one weight buffer per layer (a tuple of LayerParams); while the stacked
-    buffers are alive the layer weights are held twice."""
+def unstack_layers(params: Params, donate: bool = False) -> Params:
+    """Params with one weight buffer per layer (a tuple of LayerParams). donate: each
+    stacked buffer is freed once its layers are cut (params nobody else holds), so the
+    weights are held twice only one field at a time (Qwen3-30B-A3B: 61 GB of weights +
+    its 36 GB expert gate/up field, not 122 GB)."""
     if isinstance(params.layers, tuple):
         return params
     n = params.layers.wo.shape[0]
+    leaves, tree = jax.tree.flatten(params.layers)
+    cut = []
+    for a in leaves:
+        cut.append([a[i] for i in range(n)])
+        if donate:
+            jax.block_until_ready(cut[-1])
+            a.delete()
     return params.replace(layers=tuple(
-        jax.tree.map(lambda a, i=i: a[i], params.layers) for i in range(n)))
+        jax.tree.unflatten(tree, [c[i] for c in cut]) for i in range(n)))
 
 
 def layout_params(params: Params, xc: ExecConfig, donate: bool = False) -> Params:
@@ -466,7 +475,7 @@ def layout_params(params: Params, xc: ExecConfig, donate: bool = False) -> Param
     params = fold_norms(params, donate)
     if xc.draft == "merged" and params_layer(params).w_draft_in is None:
         params = merge_draft(params)
-    return unstack_layers(params) if xc.layers == "unrolled" else stack_layers(params)
+    return unstack_layers(params, donate) if xc.layers == "unrolled" else stack_layers(params)
 
 
 def params_layer(params: Params) -> LayerParams:
@@ -493,7 +502,7 @@ def init_params(cfg: ModelConfig, key, dtype=jnp.bfloat16, scale: float = 0.02) 
     keys = iter(list(jax.random.split(key, 10)))
 
     def normal(shape):
-        return (jax.random.normal(next(keys), shape, jnp.float32) * scale).astype(dtype)
+        return _random_normal(next(keys), shape, dtype, scale)
 
     moe, e, fe = cfg.is_moe, cfg.num_experts, cfg.moe_intermediate_size
     # gpt-oss's extra tensors draw from keys of their own: the other models' weights stay
@@ -504,7 +513,7 @@ def init_params(cfg: ModelConfig, key, dtype=jnp.bfloat16, scale: float = 0.02) 
     def extra(shape, on):
         if not on:
             return None
-        return (jax.random.normal(next(extra_keys), shape, jnp.float32) * scale).astype(dtype)
+        return _random_normal(next(extra_keys), shape, dtype, scale)
 
     def make():
         layers = LayerParams(
@@ -533,7 +542,39 @@ def init_params(cfg: ModelConfig, key, dtype=jnp.bfloat16, scale: float = 0.02) 
             lm_head=None if cfg.tie_embeddings else normal((h, cfg.vocab_size)),
         )
 
-    return jax.jit(make)()
+    return make()
+
+
+# A field larger than this is drawn a layer at a time into its buffer: drawn whole, its
+# fp32 normals and random bits sit beside every other field (Qwen3-30B-A3B's 36 GB expert
+# gate/up field would need ~110 GB more than its own bytes).
+_DRAW_WHOLE_BYTES = 1 << 30
+
+
+def _random_normal(key, shape, dtype, scale: float):
+    """N(0, scale) weights of `shape`, made on the device, one jitted draw a field (the
+    same values as one draw inside a larger jit) or, over 1 GiB, a block of leading rows
+    (layers) at a time."""
+    dtype = jnp.dtype(dtype)
+    nbytes = int(np.prod(shape)) * dtype.itemsize
+    if nbytes <= _DRAW_WHOLE_BYTES:
+        return _draw(key, shape, dtype, scale)
+    rows = max(1, shape[0] * _DRAW_WHOLE_BYTES // nbytes)  # leading rows a draw
+    buf = jnp.zeros(shape, dtype)
+    for i in range(0, shape[0], rows):
+        n = min(rows, shape[0] - i)
+        buf = _draw_rows(buf, jax.random.fold_in(key, i), i, (n,) + tuple(shape[1:]), scale)
+    return buf
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _draw(key, shape, dtype, scale):
+    return (jax.random.normal(key, shape, jnp.float32) * scale).astype(dtype)
+
+
+@functools.partial(jax.jit, static_argnums=(3, 4), donate_argnums=0)
+def _draw_rows(buf, key, i, shape, scale):
+    return lax.dynamic_update_slice_in_dim(buf, _draw(key, shape, buf.dtype, scale), i, 0)
 
 
 def param_dtype(params: Params):

@@ -23,7 +23,7 @@ from vegas_jax.execution import ExecConfig, model_jit
 from vegas_jax.generate import DecodeState, decode_steps_body, generate
 from vegas_jax.model import forward
 from vegas_jax.runtime import (
-    DecodeClock, GenerationResult, Progress, Refill, available_bytes, decode_text, drive,
+    DecodeClock, GenerationResult, Progress, Refill, decode_text, drive,
     launch, prefill_group, prefill_prompts, rows_of,
 )
 from vegas_jax.sampling import SamplingParams, accept, sample
@@ -194,6 +194,35 @@ def init_state(spec: SpecConfig, xc: ExecConfig, cache: KVCache, x0, key, scores
     return SpecState(cache=cache, x0=x0, key=key, sel=sel, progress=progress)
 
 
+def _overwrite(state, values, flag):
+    """`values`' leaves (None: keep) computed into `state`'s donated buffers: a leaf passed
+    through from another argument would get a buffer of its own, not the donated one."""
+    return jax.tree.map(lambda old, new: jnp.where(flag, new, old), state, values)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _all_finished(state: SpecState, flag) -> SpecState:
+    """The state, in its own buffers, with every sequence marked finished."""
+    done = state.progress.done
+    return state.replace(progress=state.progress.replace(
+        done=jnp.where(flag, jnp.ones_like(done), done)))
+
+
+def _small_leaves(state: SpecState) -> SpecState:
+    """A copy of everything in the state but the cache's K/V."""
+    small = state.replace(cache=state.cache.replace(k=None, v=None))
+    return jax.tree.map(jnp.copy, small)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _restored(state: SpecState, saved: SpecState, flag) -> SpecState:
+    """`saved`'s small leaves with `state`'s K/V, in `state`'s buffers (donated: each
+    output leaf takes the buffer of the input leaf in its place)."""
+    small = state.replace(cache=state.cache.replace(k=None, v=None))
+    small = _overwrite(small, saved, flag)
+    return small.replace(cache=small.cache.replace(k=state.cache.k, v=state.cache.v))
+
+
 def prefill_capture(spec: SpecConfig) -> Capture | None:
     """The prefill's capture: the last prompt token's row, when the method ranks anything."""
     cap = spec.method.capture(spec)
@@ -277,20 +306,16 @@ class AutoController:
         self.trace: list = []
         self.compile_s = 0.0
 
-    def prepare(self, make: Callable[[int], Callable], warm: Callable | None = None,
-                ahead: Callable[[int], None] | None = None):
+    def prepare(self, make: Callable[[int], Callable], warm: Callable | None = None):
         """Compile every candidate before decoding: `make(config)` returns its runner,
-        `warm` runs it once on a copy of the state (compiling it and loading its kernels:
-        a first call in the middle of decoding stalled the device, auto at B = 1 on the
-        H200: 4.6 ms of dispatch a call against 1.1 for vegas alone, 0.75x vanilla); where
-        it cannot (no room for a copy), `ahead(config)` compiles it."""
+        `warm` runs it once (compiling it, loading its kernels and recording its command
+        buffers for the decoding state's buffers: a first call in the middle of decoding
+        stalled the device, auto at B = 1 on the H200)."""
         t = time.perf_counter()
         for c in [0, *self.gammas]:
             self.runners[c] = make(c)
             if warm is not None and warm(self.runners[c]):
                 self.warm_set.add(c)
-            elif ahead is not None:
-                ahead(c)
         self.compile_s = time.perf_counter() - t
 
     def choose(self) -> int:
@@ -558,36 +583,28 @@ def speculative_generate(
                 return st, tuple(out)
             return run
 
-        def ahead(config):
-            """Compile a candidate without running it (where no copy of the state fits):
-            jit's first real call then traces again but does not compile (checked on the
-            CPU with jax_log_compiles)."""
-            fn, static = call(config)
-            shapes = jax.tree.map(  # with the shardings: under tp the state is split
-                lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state)
-            fn.lower(model.params, cfg, xc, shapes, *static).compile()
-
-        chain = []  # the warm-up's state: one copy, handed from candidate to candidate
+        warming = []  # (the state, every sequence marked finished; its small leaves)
 
         def warm(run) -> bool:
-            """Run a candidate once on a copy of the state, where a copy fits in memory.
-            The candidates run in a chain, each on the state the one before it returned:
-            in decoding a candidate's input is another candidate's output, not the
-            prefill's (on the H200 the first call of each candidate in decoding still cost
-            ~5 ms more when each was warmed on a fresh copy of the prefill's state)."""
-            if not chain:
-                free = available_bytes()
-                need = sum(a.nbytes for a in jax.tree.leaves(state))
-                if free is not None and need > 0.5 * free:
-                    return False
-                chain.append(jax.tree.map(jnp.copy, state))
-            st, _ = run(chain.pop())
-            chain.append(jax.block_until_ready(st))
+            """Run a candidate once on the decoding state's own buffers, every sequence
+            marked finished (`_all_finished`: nothing is emitted or advanced; K/V written
+            past each sequence's length is rewritten before any draft or verify reads
+            it), its small leaves restored afterwards into the same buffers. On a copy
+            of the state (before) the first call of each candidate in decoding still
+            stalled the host ~10-16 ms on the H200 (auto 0.91x vanilla at B 1): XLA's
+            command buffers (CUDA graphs) are recorded for the buffer addresses an
+            executable last ran on, and re-recorded when they change."""
+            if not warming:
+                saved = _small_leaves(state)  # before the state's buffers are donated
+                warming.append((_all_finished(state, True), saved))
+            st, saved = warming.pop()
+            st, _ = run(st)
+            warming.append((st, saved))
             return True
 
-        auto.prepare(make, warm, ahead)
-        if chain:  # the first candidate once more, now on a round's output
-            jax.block_until_ready(auto.runners[0](chain.pop()))
+        auto.prepare(make, warm)
+        st, saved = warming.pop()
+        state = jax.block_until_ready(_restored(st, saved, True))
 
     def prefill_some(prompts, rows):  # waiting prompts, prefilled together for free slots
         grp, first, sc = prefill_group(model, xc, [ids[p] for p in prompts], rows,
