@@ -506,6 +506,30 @@ def test_auto_ignores_acceptance_of_a_round_after_plain_steps():
     assert ctl.tau(4) == pytest.approx(5.0)
 
 
+def test_auto_estimates_tau_from_the_sequences_still_decoding():
+    """Two of four sequences accept everything, two nothing. While all four decode,
+    tau(4) pools them (1 + 0.5 + 0.25 + ...); once the good two have finished, it is the
+    remaining two's (1.0: a batch of fixed-length outputs waits on them). A slot that
+    comes back (refilled with a new prompt) starts its counts over."""
+    from vegas_jax.selection import Auto
+    from vegas_jax.speculative import AutoController
+
+    ctl = AutoController(SpecConfig(method=Auto(gammas=(4,)), gamma=4))
+    ctl.runners = {c: (lambda st: (st, None)) for c in (0, 4)}
+    both = np.array([4, 4, 0, 0])
+    for active in ([True] * 4, [True] * 4, [False, False, True, True]):
+        ctl.run(4, None)
+        ctl.read(both, np.array(active))
+        if all(active):
+            pooled = ctl.tau(4)
+    assert pooled == pytest.approx(1 + 0.5 * 4)  # alpha_1 = 1/2, then 1 given reached
+    assert ctl.tau(4) == pytest.approx(1.0)
+    ctl.run(4, None)
+    ctl.read(np.array([4, 4, 0, 0]), np.array([True, False, True, False]))
+    # slot 0 is back with a new prompt: its earlier four-of-four no longer counts
+    assert ctl.slot_trials[0, 1] == 1 and ctl.slot_trials[2, 1] == 4
+
+
 def test_progress_stops_at_eos_and_limit():
     from vegas_jax.runtime import Progress
 

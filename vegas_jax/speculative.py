@@ -293,6 +293,8 @@ class AutoController:
         top = max(self.gammas)
         self.trials = np.zeros(top + 1)
         self.hits = np.zeros(top + 1)
+        # the same per slot ([b, top + 1]), and the slots decoding now (`_live`)
+        self.slot_trials = self.slot_hits = self.live = None
         self.in_flight: collections.deque = collections.deque()
         self.last_read = None
         self.skip_next = False  # the next read's interval holds a first dispatch
@@ -384,17 +386,43 @@ class AutoController:
         stale, self.prev = self.prev == 0, config
         # a round right after plain steps drafts from a selection older than those steps
         # (`Method.after_plain`): its acceptance says little about the next rounds'
+        if config and n_acc is not None:
+            self._live(active)
         if config and n_acc is not None and not stale:
-            acc = n_acc[active]
-            for j in range(1, config + 1):
-                self.trials[j] += (acc >= j - 1).sum()
-                self.hits[j] += (acc >= j).sum()
+            j = np.arange(1, config + 1)[None, :]
+            tried = (n_acc[:, None] >= j - 1) & active[:, None]  # [b, config]
+            hit = (n_acc[:, None] >= j) & active[:, None]
+            self.trials[1:config + 1] += tried.sum(0)
+            self.hits[1:config + 1] += hit.sum(0)
+            self.slot_trials[:, 1:config + 1] += tried
+            self.slot_hits[:, 1:config + 1] += hit
+
+    def _live(self, active):
+        """The sequences the next calls decode: those active in the latest round. A slot
+        that comes back to life holds a new prompt (refilled): its counts start over."""
+        active = np.asarray(active, bool)
+        if self.slot_trials is None or len(self.slot_trials) != len(active):
+            self.slot_trials = np.zeros((len(active), len(self.trials)))
+            self.slot_hits = np.zeros_like(self.slot_trials)
+            self.live = active
+        reborn = active & ~self.live
+        self.slot_trials[reborn] = 0
+        self.slot_hits[reborn] = 0
+        self.live = active
 
     def tau(self, gamma: int) -> float:
-        seen = self.trials > 0
+        """The mean accepted length of a gamma round, from the acceptance of the sequences
+        still decoding: once most have finished, a batch of fixed-length outputs waits on
+        the rest, whose acceptance is what sets how long (gamma 8 won on the mean rate at
+        B 64 on the H200, gamma 6 end to end: its slowest sequences took 23 % more rounds
+        than the mean against 13 %)."""
+        trials, hits = self.trials, self.hits
+        if self.slot_trials is not None and self.live.any() and not self.live.all():
+            trials, hits = self.slot_trials[self.live].sum(0), self.slot_hits[self.live].sum(0)
+        seen = trials > 0
         if not seen.any():
             return float(gamma + 1)  # nothing seen yet: every draft accepted
-        alpha = np.where(seen, self.hits / np.maximum(self.trials, 1), 0.0)
+        alpha = np.where(seen, hits / np.maximum(trials, 1), 0.0)
         last = alpha[np.nonzero(seen)[0].max()]
         alpha = np.where(seen, alpha, last)
         return 1.0 + float(np.cumprod(alpha[1:gamma + 1]).sum())
