@@ -273,7 +273,10 @@ class AutoController:
     # plain decoding where vegas was 1.06x faster (H200, 2026-12-03)
     MIN_TRIALS = 24
     WAITED_S = DecodeClock.WAITED_S  # a read that blocked this long found the device busy
-    PLAIN_MARGIN = 0.3  # a verify also captures and selects: a is ~1.3 plain steps at B 1
+    # plain steps are probed when the bound's rate is within this of the best round's:
+    # at 0.3 a B 64 run probed (3 calls of 8 plain steps, ~7 % of its time) where the
+    # bound (3.5 ms) was a plain step's own time (3.6) and 30 % below the rounds' rate
+    PLAIN_MARGIN = 0.15
 
     def __init__(self, spec: SpecConfig):
         g0 = spec.gamma
@@ -617,16 +620,18 @@ def speculative_generate(
             """Run a candidate once on the decoding state's own buffers, every sequence
             marked finished (`_all_finished`: nothing is emitted or advanced; K/V written
             past each sequence's length is rewritten before any draft or verify reads
-            it), its small leaves restored afterwards into the same buffers. On a copy
-            of the state (before) the first call of each candidate in decoding still
-            stalled the host ~10-16 ms on the H200 (auto 0.91x vanilla at B 1): XLA's
-            command buffers (CUDA graphs) are recorded for the buffer addresses an
-            executable last ran on, and re-recorded when they change."""
+            it), its small leaves restored afterwards into the same buffers, twice.
+            Warmed once (on a copy, then in place) the first call of each candidate in
+            decoding still held the host 12-17 ms in its dispatch on the H200 (the
+            trace's dispatch field; B 1 and 64), the calls after it ~1 ms: the second
+            run of an executable is where XLA records its command buffers (CUDA graphs,
+            hundreds of kernels), and they are recorded for the buffers it runs on."""
             if not warming:
                 saved = _small_leaves(state)  # before the state's buffers are donated
                 warming.append((_all_finished(state, True), saved))
             st, saved = warming.pop()
-            st, _ = run(st)
+            for _ in range(2):  # the second run records the command buffers (see above)
+                st, _ = run(st)
             warming.append((st, saved))
             return True
 
