@@ -268,7 +268,9 @@ class AutoController:
     REPROBE = 12
     REPROBE_MARGIN = 0.15
     TRACE = 64  # calls kept in stats["trace"]
-    # sequence-rounds seen before plain steps may be tried: one round at B >= 24; at B = 1
+    # sequence-rounds seen before plain steps may be tried (and REPROBE calls: at B 64 on
+    # the H200 the first seven rounds' estimate sent auto to plain steps in three runs of
+    # three, where a plain step was 2x slower than a round's token): at B = 1
     # seven rounds' acceptance (0.71 at position 1 against 0.93 over the run) sent auto to
     # plain decoding where vegas was 1.06x faster (H200, 2026-12-03)
     MIN_TRIALS = 24
@@ -334,7 +336,8 @@ class AutoController:
             return self.queue.pop(0)
         if not rates:
             return self.spec.gamma
-        if 0 not in rates and not self.plain_probed and self.trials[1] >= self.MIN_TRIALS:
+        if (0 not in rates and not self.plain_probed and self.trials[1] >= self.MIN_TRIALS
+                and sum(self.calls.values()) >= self.REPROBE):
             self.plain_probed = True  # asked once: a plain probe's estimate then decides
             step = self.plain_step_bound()
             if step is not None and 1 / step >= (1 - self.PLAIN_MARGIN) * max(rates.values()):
