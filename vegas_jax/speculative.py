@@ -255,11 +255,11 @@ class AutoController:
     as soon as a round could not beat measured plain decoding even with every draft
     accepted (tau = gamma + 1); every REPROBE calls it runs the runner-up once, when its
     estimate is within REPROBE_MARGIN of the best, so an estimate from a few early calls
-    does not decide the whole run. Every candidate is compiled before decoding starts (`prepare`):
-    a switch never stalls the device. The first call of each executable loads its kernels
-    on the host while it is dispatched (milliseconds on the GPU), so the interval in which
-    that happens is not counted (`run` marks it, `read` drops it): counted, it made plain
-    steps look a third slower than they are at B = 1 on the H200 (BENCHMARKS.md). The
+    does not decide the whole run. Every candidate is built and run before decoding starts
+    (`prepare`), so a switch does not stall the device; a call of a candidate that was not
+    warmed (none in `speculative_generate`) is not timed (`run` marks it, `read` drops
+    it): counted, its first call made plain steps look a third slower than they are at
+    B = 1 on the H200 (BENCHMARKS.md). The
     acceptance of a round that follows plain steps is not counted either: its drafts read a
     selection that predates those steps."""
 
@@ -314,15 +314,19 @@ class AutoController:
         self.compile_s = 0.0
 
     def prepare(self, make: Callable[[int], Callable], warm: Callable | None = None):
-        """Compile every candidate before decoding: `make(config)` returns its runner,
-        `warm` runs it once (compiling it, loading its kernels and recording its command
-        buffers for the decoding state's buffers: a first call in the middle of decoding
-        stalled the device, auto at B = 1 on the H200)."""
+        """Build and warm every candidate before decoding: `make(config)` returns its
+        runner; `warm(runner, again)` runs it, in two passes over all candidates (the
+        first builds the executables, the second records their command buffers: see
+        `speculative_generate`). A first call in the middle of decoding held the host
+        12-24 ms on the H200 (auto at B 1: 0.91x vanilla)."""
         t = time.perf_counter()
-        for c in [0, *self.gammas]:
+        configs = [0, *self.gammas]
+        for c in configs:
             self.runners[c] = make(c)
-            if warm is not None and warm(self.runners[c]):
-                self.warm_set.add(c)
+        for again in (False, True) if warm is not None else ():
+            for c in configs:
+                if warm(self.runners[c], again):
+                    self.warm_set.add(c)
         self.compile_s = time.perf_counter() - t
 
     def choose(self) -> int:
@@ -619,27 +623,29 @@ def speculative_generate(
 
         warming = []  # (the state, every sequence marked finished; its small leaves)
 
-        def warm(run) -> bool:
-            """Run a candidate once on the decoding state's own buffers, every sequence
-            marked finished (`_all_finished`: nothing is emitted or advanced; K/V written
-            past each sequence's length is rewritten before any draft or verify reads
-            it), its small leaves restored afterwards into the same buffers, twice.
-            Warmed once (on a copy, then in place) the first call of each candidate in
-            decoding still held the host 12-17 ms in its dispatch on the H200 (the
-            trace's dispatch field; B 1 and 64), the calls after it ~1 ms: the second
-            run of an executable is where XLA records its command buffers (CUDA graphs,
-            hundreds of kernels), and they are recorded for the buffers it runs on."""
+        def warm(run, again: bool) -> bool:
+            """Run a candidate on the decoding state's own buffers, every sequence marked
+            finished (`_all_finished`: nothing is emitted or advanced; K/V written past
+            each sequence's length is rewritten before any draft or verify reads it), its
+            small leaves restored in place at the end. Twice over all candidates: XLA
+            drops every executable's command buffers (CUDA graphs) whenever a new
+            executable is built, and records them again on the next call, 12-24 ms of
+            host time for a round (H200, benchmarks/first_dispatch.py); the first pass
+            builds every executable (the restore's included), the second records their
+            command buffers with nothing built after them."""
             if not warming:
                 saved = _small_leaves(state)  # before the state's buffers are donated
-                warming.append((_all_finished(state, True), saved))
-            st, saved = warming.pop()
-            for _ in range(2):  # the second run records the command buffers (see above)
-                st, _ = run(st)
-            warming.append((st, saved))
+                warming.append((_all_finished(state, True), saved, False))
+            st, saved, restored = warming.pop()
+            if again and not restored:  # build the restore before the graphs are recorded
+                st = _all_finished(_restored(st, saved, True), True)
+                restored = True
+            st, _ = run(st)
+            warming.append((st, saved, restored))
             return True
 
         auto.prepare(make, warm)
-        st, saved = warming.pop()
+        st, saved, _ = warming.pop()
         state = jax.block_until_ready(_restored(st, saved, True))
 
     def prefill_some(prompts, rows):  # waiting prompts, prefilled together for free slots
