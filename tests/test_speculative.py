@@ -506,6 +506,19 @@ def test_auto_ignores_acceptance_of_a_round_after_plain_steps():
     assert ctl.tau(4) == pytest.approx(5.0)
 
 
+def test_auto_warms_every_candidate_in_two_passes():
+    """XLA drops every executable's CUDA graphs when a new one is built: all candidates
+    are built (first pass) before any is run for its graphs (second pass)."""
+    from vegas_jax.selection import Auto
+    from vegas_jax.speculative import AutoController
+
+    ctl = AutoController(SpecConfig(method=Auto(gammas=(2, 4)), gamma=4))
+    calls = []
+    ctl.prepare(lambda c: c, lambda run, again: calls.append((run, again)) or True)
+    assert calls == [(0, False), (2, False), (4, False), (0, True), (2, True), (4, True)]
+    assert ctl.warm_set == {0, 2, 4}
+
+
 def test_auto_estimates_tau_from_the_sequences_still_decoding():
     """Two of four sequences accept everything, two nothing. While all four decode,
     tau(4) pools them (1 + 0.5 + 0.25 + ...); once the good two have finished, it is the
