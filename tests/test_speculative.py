@@ -307,6 +307,12 @@ def test_window_greedy_equals_vanilla(tiny, prompts, vanilla):
     assert res.tokens == vanilla.tokens
 
 
+def test_prefill_rows_greedy_equals_vanilla(tiny, prompts, vanilla):
+    res = speculative_generate(tiny, prompts, 48, SpecConfig(method="vegas-prefill", gamma=3,
+                                                             min_tokens=8))
+    assert res.tokens == vanilla.tokens
+
+
 class _Cache:
     def __init__(self, max_len):
         self.max_len = max_len
@@ -504,6 +510,31 @@ def test_auto_ignores_acceptance_of_a_round_after_plain_steps():
         ctl.run(c, None)
         ctl.read(n_acc, np.array([True]))
     assert ctl.tau(4) == pytest.approx(5.0)
+
+
+def test_prefill_rows_rank_the_prompt_by_its_last_queries(tiny):
+    """The first selection from the last r prompt tokens' queries: the mean of their
+    one-row captures, finite for prompts shorter than r (their first token repeats)."""
+    from vegas_jax.attention import Capture
+    from vegas_jax.cache import init_cache
+    from vegas_jax.runtime import exec_config, pad_prompts, prefill
+
+    cfg, xc = tiny.config, exec_config(tiny)
+    ids = [[5, 9], list(range(1, 40))]
+    tokens, lens = pad_prompts(ids)
+
+    def scores(rows, toks=tokens, ln=lens):
+        cache = init_cache(cfg, len(ids), 64, jnp.float32)
+        return prefill(tiny.params, cfg, xc, toks, ln, cache,
+                       Capture(rows))[2]  # [L, b, s]
+
+    many = scores((0, 1, 2))
+    assert np.isfinite(np.asarray(many)).all()
+    # the long prompt's three rows, one at a time: prompts cut 0, 1 and 2 tokens short
+    cut = [scores((0,), tokens, jnp.asarray(lens) - k)[:, 1] for k in range(3)]
+    # a row's weights live on its own positions; the mean of the three is the capture
+    np.testing.assert_allclose(np.asarray(many[:, 1]), np.mean(np.stack(cut), 0),
+                               rtol=1e-5, atol=1e-6)
 
 
 def test_auto_warms_every_candidate_in_two_passes():

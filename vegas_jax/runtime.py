@@ -227,10 +227,10 @@ def prefill(params, cfg: ModelConfig, xc: ExecConfig, tokens, lens, cache: KVCac
     cache the earlier ones wrote). Default: `prefill_plan` with the default budget.
 
     Returns (logits of each prompt's last token [b, v], cache with lengths = lens, scores):
-    with `capture` (a one-row capture), the last prompt token's query is run once more
-    against the cache, without writing, and its attention yields the first selection's
-    scores [L, b, s] (the paper: the prefill ranks the prompt by its last token alone); the
-    cache is exactly what plain prefill leaves.
+    with `capture` (rows 0..r-1), the last r prompt tokens' queries are run once more
+    against the cache, without writing, and their attention yields the first selection's
+    scores [L, b, s] (the paper: r = 1, the prefill ranks the prompt by its last token
+    alone); the cache is exactly what plain prefill leaves.
     Padding writes K/V past each prompt's end; those slots are overwritten before any
     query can see them (every query sees only positions <= its own).
     `progress`: each layer of each step ticks the bar `prefill_prompts` shows.
@@ -283,8 +283,12 @@ def prefill(params, cfg: ModelConfig, xc: ExecConfig, tokens, lens, cache: KVCac
             (cache, logits), _ = lax.scan(step, init, jnp.arange(n, dtype=jnp.int32))
     scores = None
     if capture is not None:
-        last = jnp.take_along_axis(tokens, at[:, None], axis=1)
-        _, cache, scores = forward(params, cfg, xc, last, at[:, None], cache,
+        # the prompt's last len(capture.rows) tokens, oldest first; a shorter prompt
+        # repeats its first token (whose query sees position 0 only)
+        back = jnp.arange(len(capture.rows) - 1, -1, -1, dtype=at.dtype)
+        rows = jnp.maximum(at[:, None] - back[None, :], 0)  # [b, r]
+        last = jnp.take_along_axis(tokens, rows, axis=1)
+        _, cache, scores = forward(params, cfg, xc, last, rows, cache,
                                    AttnPlan(capture=capture), write=False)
     return logits, cache.replace(lengths=lens), scores
 

@@ -12,9 +12,10 @@ verify updates the state (`update`) and the length of the recent tail (`tail_len
   VerifyGuided("pair")  vegas-paper  the paper's selector: this verify's rows 0 and gamma
   VerifyGuided("all")   vegas-all    scores from all gamma + 1 verify rows
   VerifyGuided("last")  last         scores from the row of the last accepted token
-  VerifyGuided(...)     vegas-heads / -window / -accepted / -pool / -entropy: issue 16's
-                        other policies (per KV head, a kept window, kept rows only, one
-                        budget for all layers, budgets by attention entropy)
+  VerifyGuided(...)     vegas-heads / -window / -accepted / -pool / -entropy / -prefill:
+                        issue 16's other policies (per KV head, a kept window, kept rows
+                        only, one budget for all layers, budgets by attention entropy, the
+                        first selection from the prompt's last 8 queries)
   Stream                stream     sink of the first tokens + recent window
   Quest                 quest      pages ranked by the current query against key bounds
 
@@ -154,6 +155,9 @@ class Method:
     name: ClassVar[str]
     speculative: ClassVar[bool] = True
 
+    # the prompt tokens whose queries rank the prompt for the first selection (`init`)
+    prefill_rows: ClassVar[int] = 1
+
     def capture(self, spec) -> Capture | None:
         return None
 
@@ -213,7 +217,11 @@ class VerifyGuided(Method):
     budget together (`select_pooled`), each layer at most c times its share.
     entropy: 0 gives every layer the same budget; a > 0 (or < 0) splits the sequence's
     L * budget entries by each layer's attention perplexity ** a (`select_by_entropy`, at
-    most 2x a layer's share; softmax weights only)."""
+    most 2x a layer's share; softmax weights only).
+    prefill_rows: the first selection ranks the prompt by the mean attention of its last
+    `prefill_rows` tokens' queries (the paper: the last token's alone). The first rounds
+    of a generation draft from it (with decay, their carried scores stay for a few
+    rounds)."""
 
     rows: str = "pair"
     heads: bool = False
@@ -222,6 +230,7 @@ class VerifyGuided(Method):
     decay: float = 0.0
     pool: float = 0.0
     entropy: float = 0.0
+    prefill_rows: int = 1
     NAMES: ClassVar[dict] = {"pair": "vegas", "all": "vegas-all", "last": "last",
                              "accepted": "vegas-accepted"}
 
@@ -238,6 +247,8 @@ class VerifyGuided(Method):
             raise ValueError(f"pool must be 0 (off) or >= 1 without heads, got {self.pool}")
         if self.entropy and (self.heads or self.pool):
             raise ValueError("entropy splits one budget a layer: not with heads or pool")
+        if int(self.prefill_rows) != self.prefill_rows or self.prefill_rows < 1:
+            raise ValueError(f"prefill_rows must be a whole number >= 1, got {self.prefill_rows}")
 
     @property
     def name(self) -> str:  # type: ignore[override]
@@ -248,7 +259,8 @@ class VerifyGuided(Method):
         window = "-window" if self.sink or self.recent else ""
         return (self.NAMES[self.rows] + ("-heads" if self.heads else "") + window
                 + ("-decay" if self.decay else "") + ("-pool" if self.pool else "")
-                + ("-entropy" if self.entropy else ""))
+                + ("-entropy" if self.entropy else "")
+                + ("-prefill" if self.prefill_rows > 1 else ""))
 
     def check(self, spec):
         if self.entropy and spec.score != "weight":
@@ -466,6 +478,10 @@ class Auto(Method):
     def capture(self, spec):
         return self.base.capture(spec)
 
+    @property
+    def prefill_rows(self) -> int:  # type: ignore[override]
+        return self.base.prefill_rows
+
     def check(self, spec):
         self.base.check(spec)
 
@@ -524,6 +540,7 @@ METHODS: dict[str, Method] = {
     "vegas-accepted": VerifyGuided("accepted"),
     "vegas-pool": VerifyGuided("pair", pool=2.0),
     "vegas-entropy": VerifyGuided("pair", entropy=0.5),
+    "vegas-prefill": VerifyGuided("pair", decay=0.5, prefill_rows=8),
     "last": VerifyGuided("last"),
     "stream": Stream(),
     "quest": Quest(),

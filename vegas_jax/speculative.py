@@ -224,11 +224,13 @@ def _restored(state: SpecState, saved: SpecState, flag) -> SpecState:
 
 
 def prefill_capture(spec: SpecConfig) -> Capture | None:
-    """The prefill's capture: the last prompt token's row, when the method ranks anything."""
+    """The prefill's capture, when the method ranks anything: the rows of the prompt's
+    last `method.prefill_rows` tokens, averaged (`runtime.prefill` runs their queries)."""
     cap = spec.method.capture(spec)
     if cap is None:
         return None
-    return Capture((0,), "heads" if cap.reduce == "heads" else "mean", cap.score)
+    return Capture(tuple(range(spec.method.prefill_rows)),
+                   "heads" if cap.reduce == "heads" else "mean", cap.score)
 
 
 class AutoController:
