@@ -19,9 +19,14 @@ import re
 import tempfile
 import time
 
-import jax
-import jax.numpy as jnp
-from jax.profiler import ProfileData
+# XLA's pool is 75 % of the card by default: Qwen3-30B-A3B at B 16, 32K (57 GB of weights
+# + 48 GB of cache) ran out of it on the H200 (BENCHMARKS.md 2026-12-03 b). A profile has
+# the card to itself; set before jax starts.
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.94")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax.profiler import ProfileData  # noqa: E402
 
 KINDS = (
     ("attention", re.compile(r"vegas_|attention")),

@@ -540,6 +540,7 @@ METHODS: dict[str, Method] = {
     "vegas-accepted": VerifyGuided("accepted"),
     "vegas-pool": VerifyGuided("pair", pool=2.0),
     "vegas-entropy": VerifyGuided("pair", entropy=0.5),
+    # measured no better than vegas (CPU, 1K-2K; worse on 2K chat): BENCHMARKS 2026-12-03 b
     "vegas-prefill": VerifyGuided("pair", decay=0.5, prefill_rows=8),
     "last": VerifyGuided("last"),
     "stream": Stream(),
