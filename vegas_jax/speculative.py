@@ -194,12 +194,6 @@ def init_state(spec: SpecConfig, xc: ExecConfig, cache: KVCache, x0, key, scores
     return SpecState(cache=cache, x0=x0, key=key, sel=sel, progress=progress)
 
 
-def _overwrite(state, values, flag):
-    """`values`' leaves (None: keep) computed into `state`'s donated buffers: a leaf passed
-    through from another argument would get a buffer of its own, not the donated one."""
-    return jax.tree.map(lambda old, new: jnp.where(flag, new, old), state, values)
-
-
 @functools.partial(jax.jit, donate_argnums=0)
 def _all_finished(state: SpecState, flag) -> SpecState:
     """The state, in its own buffers, with every sequence marked finished."""
@@ -208,18 +202,23 @@ def _all_finished(state: SpecState, flag) -> SpecState:
         done=jnp.where(flag, jnp.ones_like(done), done)))
 
 
+def _without_kv(state: SpecState) -> SpecState:
+    """Everything in the state but the cache's K/V."""
+    return state.replace(cache=state.cache.replace(k=None, v=None))
+
+
 def _small_leaves(state: SpecState) -> SpecState:
     """A copy of everything in the state but the cache's K/V."""
-    small = state.replace(cache=state.cache.replace(k=None, v=None))
-    return jax.tree.map(jnp.copy, small)
+    return jax.tree.map(jnp.copy, _without_kv(state))
 
 
 @functools.partial(jax.jit, donate_argnums=0)
 def _restored(state: SpecState, saved: SpecState, flag) -> SpecState:
     """`saved`'s small leaves with `state`'s K/V, in `state`'s buffers (donated: each
-    output leaf takes the buffer of the input leaf in its place)."""
-    small = state.replace(cache=state.cache.replace(k=None, v=None))
-    small = _overwrite(small, saved, flag)
+    output leaf takes the buffer of the input leaf in its place). The small leaves are
+    computed (`where` on a traced flag): a leaf passed through from `saved` would get a
+    buffer of its own, not the donated one."""
+    small = jax.tree.map(lambda old, new: jnp.where(flag, new, old), _without_kv(state), saved)
     return small.replace(cache=small.cache.replace(k=state.cache.k, v=state.cache.v))
 
 
@@ -364,7 +363,7 @@ class AutoController:
 
     def run(self, config: int, state):
         # dispatched while the call before it runs: the interval that the next read closes
-        # (a candidate run before decoding has its kernels loaded already)
+        # (a candidate warmed before decoding has its kernels and command buffers ready)
         self.skip_next |= self.calls[config] == 0 and config not in self.warm_set
         self.calls[config] += 1
         t = time.perf_counter()
@@ -396,10 +395,10 @@ class AutoController:
         self.skip_next = False
         self.last_read = now
         stale, self.prev = self.prev == 0, config
-        # a round right after plain steps drafts from a selection older than those steps
-        # (`Method.after_plain`): its acceptance says little about the next rounds'
         if config and n_acc is not None:
             self._live(active)
+        # a round right after plain steps drafts from a selection older than those steps
+        # (`Method.after_plain`): its acceptance says little about the next rounds'
         if config and n_acc is not None and not stale:
             j = np.arange(1, config + 1)[None, :]
             tried = (n_acc[:, None] >= j - 1) & active[:, None]  # [b, config]
@@ -623,7 +622,7 @@ def speculative_generate(
                 return st, tuple(out)
             return run
 
-        warming = []  # (the state, every sequence marked finished; its small leaves)
+        warming = {}  # the state with every sequence marked finished, its small leaves
 
         def warm(run, again: bool) -> bool:
             """Run a candidate on the decoding state's own buffers, every sequence marked
@@ -635,20 +634,18 @@ def speculative_generate(
             host time for a round (H200, benchmarks/first_dispatch.py); the first pass
             builds every executable (the restore's included), the second records their
             command buffers with nothing built after them."""
-            if not warming:
-                saved = _small_leaves(state)  # before the state's buffers are donated
-                warming.append((_all_finished(state, True), saved, False))
-            st, saved, restored = warming.pop()
-            if again and not restored:  # build the restore before the graphs are recorded
-                st = _all_finished(_restored(st, saved, True), True)
-                restored = True
-            st, _ = run(st)
-            warming.append((st, saved, restored))
+            w = warming
+            if not w:
+                w["saved"] = _small_leaves(state)  # before the state's buffers are donated
+                w["state"] = _all_finished(state, True)
+            if again and not w.get("restored"):  # build the restore before graphs record
+                w["state"] = _all_finished(_restored(w["state"], w["saved"], True), True)
+                w["restored"] = True
+            w["state"], _ = run(w["state"])
             return True
 
         auto.prepare(make, warm)
-        st, saved, _ = warming.pop()
-        state = jax.block_until_ready(_restored(st, saved, True))
+        state = jax.block_until_ready(_restored(warming["state"], warming["saved"], True))
 
     def prefill_some(prompts, rows):  # waiting prompts, prefilled together for free slots
         grp, first, sc = prefill_group(model, xc, [ids[p] for p in prompts], rows,
