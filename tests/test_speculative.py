@@ -574,6 +574,76 @@ def test_auto_estimates_tau_from_the_sequences_still_decoding():
     assert ctl.slot_trials[0, 1] == 1 and ctl.slot_trials[2, 1] == 4
 
 
+def test_auto_does_not_time_a_read_that_a_stalled_dispatch_delayed(monkeypatch):
+    """On the H200 a warmed candidate's first dispatch could still hold the host 15 ms
+    (a command buffer recorded) while the call in flight ran 11 ms: the read after it
+    found the device idle, yet waited ~0.8 ms for the copy of the output. Simulated like
+    `drive` (dispatch k + 1, then read k): every interval the controller keeps as the
+    device's time is a call's own time, and plain steps (3.6 ms a step, rounds' line
+    through 4 ms) are never probed."""
+    from vegas_jax import speculative as spec_mod
+    from vegas_jax.selection import Auto
+    from vegas_jax.speculative import AutoController
+
+    host = [0.0]
+    monkeypatch.setattr(spec_mod.time, "perf_counter", lambda: host[0])
+    ctl = AutoController(SpecConfig(method=Auto(gammas=(4, 6, 8)), gamma=6))
+    cost = {0: 8 * 0.0036, 4: 0.0087, 6: 0.0112, 8: 0.0137}
+    ctl.runners = {c: (lambda st, c=c: (st, c)) for c in cost}
+    ctl.warm_set = set(cost)
+    free = [0.0]  # when the device finishes the calls queued so far
+    flight = []
+
+    def dispatch():
+        c = ctl.choose()
+        t = host[0]
+        ctl.run(c, None)  # the runner itself takes no time: add the dispatch after
+        host[0] += 0.015 if ctl.calls[c] == 1 else 0.001
+        ctl.dispatch_s[c][-1] = host[0] - t
+        ctl.in_flight[-1] = (c, host[0] - t)
+        free[0] = max(free[0], host[0]) + cost[c]
+        flight.append((c, free[0]))
+
+    dispatch()
+    for _ in range(40):
+        dispatch()
+        c, end = flight.pop(0)
+        wait = max(0.0, end - host[0]) + 0.0008  # the output's copy
+        host[0] = max(host[0], end) + 0.0008
+        ctl.read(None if c == 0 else np.array([c - 1]), np.array([True]), host[0], wait)
+    for c, ts in ctl.times.items():
+        assert ts == pytest.approx([cost[c]] * len(ts), abs=1e-9), (c, ts)
+    assert ctl.calls[0] == 0
+
+
+def test_auto_finish_tau_follows_the_slowest_sequence():
+    """Two of four sequences accept every draft, two none. With no prompt waiting, the
+    batch ends with the slow two: finish_tau(4) is theirs (1, up to the shrinkage toward
+    the batch's acceptance), not the pooled 1 + 0.5 * 4; with prompts waiting
+    (remaining None) it is the pooled mean; once the slow two are done, the fast two's."""
+    from vegas_jax.selection import Auto
+    from vegas_jax.speculative import AutoController
+
+    ctl = AutoController(SpecConfig(method=Auto(gammas=(4,)), gamma=4))
+    ctl.runners = {4: (lambda st: (st, None))}
+    acc = np.array([4, 4, 0, 0])
+    for _ in range(200):
+        ctl.run(4, None)
+        ctl.read(acc, np.ones(4, bool), remaining=np.array([100, 100, 100, 100]))
+    assert ctl.tau(4) == pytest.approx(3.0)
+    assert 1.0 < ctl.finish_tau(4) < 1.2  # 1 + 4 x 8 / 216: 16 pseudo-trials at 0.5
+    ctl.run(4, None)
+    ctl.read(acc, np.ones(4, bool), remaining=None)
+    assert ctl.finish_tau(4) == pytest.approx(3.0, rel=1e-2)
+    ctl.run(4, None)  # the slow two need 10x fewer tokens than the fast two: the fast
+    # two finish last (250 tokens at tau 5 against 25 at tau ~1)
+    ctl.read(acc, np.ones(4, bool), remaining=np.array([250, 250, 25, 25]))
+    assert ctl.finish_tau(4) == pytest.approx(5.0, rel=4e-2)  # shrunk: 1 + 4 x 208 / 216
+    ctl.run(4, None)
+    ctl.read(acc, np.ones(4, bool), remaining=np.array([100, 100, 0, 0]))
+    assert ctl.finish_tau(4) == pytest.approx(5.0, rel=4e-2)  # shrunk: 1 + 4 x 208 / 216
+
+
 def test_progress_stops_at_eos_and_limit():
     from vegas_jax.runtime import Progress
 

@@ -340,6 +340,11 @@ class TokenCollector:
     def n_generated(self) -> int:
         return sum(len(t) for t in self.tokens)
 
+    def remaining(self) -> np.ndarray:
+        """Tokens each slot may still emit [b] (0 for finished slots)."""
+        left = [self.max_new[o] - len(self.tokens[o]) for o in self.owner]
+        return np.where(self.done, 0, np.asarray(left, np.int64))
+
 
 class DecodeClock:
     """Decode timing. The first device call compiles, so throughput is measured over the

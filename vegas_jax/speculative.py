@@ -243,12 +243,16 @@ class AutoController:
     is seen), and tau(gamma) = 1 + sum_i prod_{j <= i} a_j from the conditional acceptance
     a_j of draft position j seen so far (positions not yet drafted take the last one seen).
     Each call goes to the configuration with the most tokens per second (tau / t for
-    rounds, VANILLA_STEPS / t for plain steps). It starts with rounds of the configured
+    rounds, VANILLA_STEPS / t for plain steps); while no prompt waits for a slot, tau is
+    the batch's finish as its slowest sequence sees it (`finish_tau`: tokens left over
+    each sequence's own tau), since a batch of fixed-length outputs ends with its last
+    sequence, not its mean one. It starts with rounds of the configured
     gamma, then of a second candidate (two gammas give the line's slope). Plain steps are
     run only where they could win: the line's intercept a (the part of a round that does
     not grow with gamma: the verify's full-attention pass, which reads what a plain step
-    reads, and more) bounds a plain step's time, and plain decoding is tried when 1 / a
-    comes within PLAIN_MARGIN of the best round's rate (small, launch-bound batches),
+    reads, and more) bounds a plain step's time, and one call of plain steps is tried
+    when 1 / a comes within PLAIN_MARGIN of the best round's rate (small, launch-bound
+    batches; its measured time then decides whether more follow),
     once MIN_TRIALS sequence-rounds have been seen (acceptance from a handful of rounds
     is too noisy to give up on speculation: at B = 1 the first seven said 0.71). At
     B = 64 the old start (four calls of 8 plain steps) cost ~15 % of a 256-token run
@@ -276,6 +280,16 @@ class AutoController:
     # plain decoding where vegas was 1.06x faster (H200, 2026-12-03)
     MIN_TRIALS = 24
     WAITED_S = DecodeClock.WAITED_S  # a read that blocked this long found the device busy
+    # a dispatch this long held the host past the call in flight (a command buffer
+    # recorded, kernels loaded): the read after it found the device idle, yet its wait
+    # (the copy of the output, ~0.7-0.9 ms at B 64 on the H200) passed WAITED_S. Such an
+    # interval (17.3 ms for an 11.2 ms round) and a short one after it (7.6 ms for 8.7)
+    # made the rounds' line cross 2 ms where a plain step took 3.6: auto probed plain
+    # steps in every B 64 run (BENCHMARKS.md 2026-12-03 b). Normal dispatch: 0.7-2.2 ms.
+    STALL_S = 5e-3
+    # per-sequence acceptance is shrunk toward the batch's by this many pseudo-trials (a
+    # sequence's own count is a handful of rounds early on)
+    PRIOR = 16
     # plain steps are probed when the bound's rate is within this of the best round's:
     # at 0.3 a B 64 run probed (3 calls of 8 plain steps, ~7 % of its time) where the
     # bound (3.5 ms) was a plain step's own time (3.6) and 30 % below the rounds' rate
@@ -301,6 +315,7 @@ class AutoController:
         self.hits = np.zeros(top + 1)
         # the same per slot ([b, top + 1]), and the slots decoding now (`_live`)
         self.slot_trials = self.slot_hits = self.live = None
+        self.remaining = None  # tokens left per slot (`read`), None while prompts wait
         self.in_flight: collections.deque = collections.deque()
         self.last_read = None
         self.skip_next = False  # the next read's interval holds a first dispatch
@@ -346,8 +361,7 @@ class AutoController:
             self.plain_probed = True  # asked once: a plain probe's estimate then decides
             step = self.plain_step_bound()
             if step is not None and 1 / step >= (1 - self.PLAIN_MARGIN) * max(rates.values()):
-                self.queue = [0] * self.WINDOW
-                return self.queue.pop(0)
+                return 0  # one call: its time decides (`rates`) whether more follow
         ranked = sorted(rates, key=rates.get, reverse=True)
         best = ranked[0]
         if self.call_time(best) is None:  # chosen on an estimate: measure it
@@ -373,13 +387,19 @@ class AutoController:
         self.in_flight.append((config, dt))
         return out
 
-    def read(self, n_acc=None, active=None, ready_at=None, wait_s=None):
+    def read(self, n_acc=None, active=None, ready_at=None, wait_s=None, remaining=None):
         """Called as each call's output is read, in dispatch order. ready_at: when the
         output arrived on the host (`time.perf_counter()`; None: now); wait_s: how long
-        the host blocked for it (None: it did)."""
+        the host blocked for it (None: it did); remaining [b]: tokens each slot has left
+        to emit, when no prompt waits for a slot (the batch then ends with its slowest
+        sequence: `rates`), else None."""
         config, dispatch = self.in_flight.popleft()
         now = time.perf_counter() if ready_at is None else ready_at
-        waited = wait_s is None or wait_s >= self.WAITED_S
+        # the call dispatched after this one (already in flight) may have stalled the host
+        # past this call's end: then this read found the device idle
+        stalled = bool(self.in_flight) and self.in_flight[0][1] > self.STALL_S
+        waited = (wait_s is None or wait_s >= self.WAITED_S) and not stalled
+        self.remaining = None if remaining is None else np.asarray(remaining)
         if self.last_read is not None and not self.skip_next:  # the first read has no start
             # An interval is the call's device time only when the host waited at both of
             # its ends; after a read that found its output ready, the next call may have
@@ -421,22 +441,56 @@ class AutoController:
         self.slot_hits[reborn] = 0
         self.live = active
 
-    def tau(self, gamma: int) -> float:
-        """The mean accepted length of a gamma round, from the acceptance of the sequences
-        still decoding: once most have finished, a batch of fixed-length outputs waits on
-        the rest, whose acceptance is what sets how long (gamma 8 won on the mean rate at
-        B 64 on the H200, gamma 6 end to end: its slowest sequences took 23 % more rounds
-        than the mean against 13 %)."""
-        trials, hits = self.trials, self.hits
+    def _pooled(self):
+        """(trials, hits) per draft position of the sequences still decoding: once most
+        have finished, a batch of fixed-length outputs waits on the rest, whose acceptance
+        is what sets how long (gamma 8 won on the mean rate at B 64 on the H200, gamma 6
+        end to end: its slowest sequences took 23 % more rounds than the mean against
+        13 %)."""
         if self.slot_trials is not None and self.live.any() and not self.live.all():
-            trials, hits = self.slot_trials[self.live].sum(0), self.slot_hits[self.live].sum(0)
-        seen = trials > 0
-        if not seen.any():
+            return self.slot_trials[self.live].sum(0), self.slot_hits[self.live].sum(0)
+        return self.trials, self.hits
+
+    @staticmethod
+    def _alpha(trials, hits, prior=None, weight=0.0):
+        """Conditional acceptance per draft position ([..., top + 1], entry 0 unused):
+        hits / trials, shrunk toward `prior` by `weight` pseudo-trials; positions never
+        drafted take the last one seen."""
+        alpha = (hits + (weight * prior if weight else 0.0)) / np.maximum(trials + weight, 1e-9)
+        seen = (trials + weight) > 0
+        seen[..., 0] = False
+        last_i = np.where(seen, np.arange(seen.shape[-1]), 0).max(-1, keepdims=True)
+        last = np.take_along_axis(alpha, last_i, -1)
+        return np.where(seen, alpha, last)
+
+    def tau(self, gamma: int) -> float:
+        """The mean accepted length of a gamma round over the sequences still decoding."""
+        trials, hits = self._pooled()
+        if not (trials[1:] > 0).any():
             return float(gamma + 1)  # nothing seen yet: every draft accepted
-        alpha = np.where(seen, hits / np.maximum(trials, 1), 0.0)
-        last = alpha[np.nonzero(seen)[0].max()]
-        alpha = np.where(seen, alpha, last)
+        alpha = self._alpha(trials, hits)
         return 1.0 + float(np.cumprod(alpha[1:gamma + 1]).sum())
+
+    def finish_tau(self, gamma: int) -> float:
+        """tau as the batch's finish sees it. While no prompt waits for a slot, the batch
+        ends with the sequence whose tokens left / own tau is largest (R_s / tau_s(gamma)
+        rounds): the value returned is R / max_s(R_s / tau_s), R the most tokens any has
+        left, so that finish-time ratios read as tau / call time (all R_s equal: the
+        smallest tau_s). tau_s from each sequence's own acceptance, shrunk toward the
+        batch's by PRIOR trials. Otherwise (prompts waiting, nothing read yet) `tau`."""
+        rem = self.remaining
+        if rem is None or self.slot_trials is None or len(rem) != len(self.slot_trials):
+            return self.tau(gamma)
+        left = rem > 0
+        trials, hits = self._pooled()
+        if not left.any() or not (trials[1:] > 0).any():
+            return self.tau(gamma)
+        pool = self._alpha(trials, hits)
+        alpha = self._alpha(self.slot_trials[left], self.slot_hits[left], pool[None, :],
+                            self.PRIOR)  # [n, top + 1]
+        tau_s = 1.0 + np.cumprod(alpha[:, 1:gamma + 1], axis=1).sum(1)  # [n]
+        r = rem[left].astype(float)
+        return float(r.max() / (r / tau_s).max())
 
     def _timing(self):
         """(call time of each timed configuration, the line (a, b) through the rounds' or
@@ -508,7 +562,7 @@ class AutoController:
         for g in self.gammas:
             t = self.round_time(g)
             if t is not None:
-                out[g] = self.tau(g) / t
+                out[g] = self.finish_tau(g) / t
         return out
 
     def stats(self) -> dict:
@@ -585,8 +639,9 @@ def speculative_generate(
 
     def count(out, ready_at=None, wait_s=None):
         _, _, n_acc, was_active = out
-        if auto is not None:
-            auto.read(n_acc, was_active, ready_at, wait_s)
+        if auto is not None:  # tokens left matter while no prompt waits for a slot
+            left = None if refill is not None and refill.waiting else collector.remaining()
+            auto.read(n_acc, was_active, ready_at, wait_s, left)
         if n_acc is None:  # plain decoding steps
             return
         tally["calls"] += 1
