@@ -110,6 +110,10 @@ def build_parser():
     p.add_argument("--label", default="", help="prefix of every printed line")
     p.add_argument("--hlo", default=None, metavar="DIR", help="write the optimised HLO here")
     p.add_argument("--json", default=None, metavar="FILE", help="write the summaries here")
+    p.add_argument("--memory", action="store_true",
+                   help="print XLA's memory plan of each phase (arguments, outputs, aliased, "
+                        "temporaries) before running any; with --memory-only, run none")
+    p.add_argument("--memory-only", action="store_true", help="the memory plans alone")
     return p
 
 
@@ -153,6 +157,16 @@ def main(argv=None) -> int:
     out = {"args": vars(args), "device": jax.devices()[0].device_kind, "exec": str(xc)}
     print(f"{tag}{xc}")
 
+    if args.memory or args.memory_only:
+        gib = 2**30
+        plans = ph.memory(phases)
+        for name, m in plans.items():
+            print(f"{tag}{name} memory plan: " + ", ".join(
+                f"{k} {v / gib:.2f} GiB" for k, v in m.items()) +
+                f"; cache K {cache.k.nbytes / gib:.2f} GiB")
+        out["memory"] = plans
+        if args.memory_only:
+            phases = []
     runs = {
         "decode": (ph.vanilla, 8, "decode step"),
         "draft": (ph.draft, args.gamma, "draft step"),

@@ -128,6 +128,21 @@ class Phases:
 
     def hlo_texts(self, phases) -> dict[str, str]:
         """The optimised HLO of each named phase (decode, draft, verify, round)."""
+        return {name: c.as_text() for name, c in self.compiled(phases).items()}
+
+    def memory(self, phases) -> dict[str, dict[str, int]]:
+        """XLA's memory plan of each named phase's executable, in bytes: arguments,
+        outputs, outputs aliased to (donated) arguments, and temporaries (where a phase
+        ran out of memory: a temporary the size of a cache half is a copy of it)."""
+        out = {}
+        for name, c in self.compiled(phases).items():
+            m = c.memory_analysis()
+            out[name] = {k: int(getattr(m, f"{k}_size_in_bytes")) for k in
+                         ("argument", "output", "alias", "temp")}
+        return out
+
+    def compiled(self, phases) -> dict:
+        """Each named phase (decode, draft, verify, round) lowered and compiled anew."""
         from vegas_jax import speculative as S
         from vegas_jax.generate import decode_steps
 
@@ -140,7 +155,7 @@ class Phases:
             "verify": lambda: self._verify.lower(p, st.cache, self.x0, self.drafts, capture=True),
             "round": lambda: S.spec_round.lower(p, cfg, xc, st, spec, sp),
         }
-        return {name: lowered[name]().compile().as_text() for name in phases}
+        return {name: lowered[name]().compile() for name in phases}
 
     def draft(self):
         cache, self.drafts = self._draft(self.params, self.state.cache,
