@@ -2,7 +2,7 @@
 over kinds of text, contexts, sparsities and gammas, with confidence intervals.
 
     PYTHONPATH=. python -m benchmarks.tau_study [--kinds chat-prose,prose,code]
-        [--contexts 1024,2048,4096,8192] [--sparsities 0.03,0.07,0.15] [--gammas 4,6,8]
+        [--contexts 1024,2048,4096,8000] [--sparsities 0.03,0.07,0.15] [--gammas 4,6,8]
         [--methods vegas,stream,...] [--seqs 8] [--new-tokens 96] [--json out.json]
         [--plot DIR]
 
@@ -252,8 +252,9 @@ def build_parser():
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     p.add_argument("--kinds", default="chat-prose,prose,code",
                    help=f"comma-separated, from {', '.join(KINDS)}")
-    p.add_argument("--contexts", default="1024,2048,4096,8192", type=_ints,
-                   help="prompt lengths in tokens")
+    p.add_argument("--contexts", default="1024,2048,4096,8000", type=_ints,
+                   help="prompt lengths in tokens (prompt + new tokens + a round's room must fit "
+                        "the model's context: SmolLM2's is 8192)")
     p.add_argument("--sparsities", default="0.03,0.07,0.15", type=_floats)
     p.add_argument("--gammas", default="4,6,8", type=_ints)
     p.add_argument("--centre-context", type=int, help="context of the centre point "
