@@ -184,21 +184,25 @@ def pooled(rows, refs=("stream", "vegas")) -> str:
         by = {(r["kind"], r["method"]): r["tau_by_sequence"] for r in mine}
         have = [m for m in refs if all((k, m) in by for k in kinds)]
 
-        def seqs(m):  # sequences with a round under m and every reference
-            pairs = [[by[(k, x)][i] for x in (m, *have)] for k in kinds
+        def seqs(m):  # sequences with a round under m and every reference, in the kinds
+            # that ran m (a method run on some kinds only is pooled over those)
+            pairs = [[by[(k, x)][i] for x in (m, *have)] for k in kinds if (k, m) in by
                      for i in range(len(by[(k, m)]))]
-            return np.array([p for p in pairs if None not in p], float)
+            return np.array([p for p in pairs if None not in p], float).reshape(
+                -1, 1 + len(have))
 
         out += [f"\ncontext {cell[0]}, sparsity {cell[1]:g}, gamma {cell[2]}",
                 "| method | " + " | ".join(f"{k} tau" for k in kinds)
                 + "".join(f" | vs {m}, pooled" for m in have) + " |",
                 "|---|" + "---|" * (len(kinds) + len(have))]
         for m in dict.fromkeys(r["method"] for r in mine):
-            taus = [np.mean([t for t in by[(k, m)] if t is not None]) for k in kinds]
+            taus = [np.mean([t for t in by[(k, m)] if t is not None]) if (k, m) in by
+                    else None for k in kinds]
             x = seqs(m)
             vs = "".join(" | %.3f [%.3f, %.3f]" % ratio_ci(x[:, 0], x[:, 1 + j])
                          for j in range(len(have)))
-            out.append(f"| {m} | " + " | ".join(f"{t:.2f}" for t in taus) + vs + " |")
+            out.append(f"| {m} | " + " | ".join("—" if t is None else f"{t:.2f}"
+                                                for t in taus) + vs + " |")
     return "\n".join(out)
 
 
