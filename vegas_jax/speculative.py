@@ -452,11 +452,11 @@ class AutoController:
         return self.trials, self.hits
 
     @staticmethod
-    def _alpha(trials, hits, prior=None, weight=0.0):
+    def _alpha(trials, hits, prior=0.0, weight=0.0):
         """Conditional acceptance per draft position ([..., top + 1], entry 0 unused):
         hits / trials, shrunk toward `prior` by `weight` pseudo-trials; positions never
         drafted take the last one seen."""
-        alpha = (hits + (weight * prior if weight else 0.0)) / np.maximum(trials + weight, 1e-9)
+        alpha = (hits + weight * prior) / np.maximum(trials + weight, 1e-9)
         seen = (trials + weight) > 0
         seen[..., 0] = False
         last_i = np.where(seen, np.arange(seen.shape[-1]), 0).max(-1, keepdims=True)
