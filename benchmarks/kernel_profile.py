@@ -114,6 +114,9 @@ def build_parser():
                    help="print XLA's memory plan of each phase (arguments, outputs, aliased, "
                         "temporaries) before running any; with --memory-only, run none")
     p.add_argument("--memory-only", action="store_true", help="the memory plans alone")
+    p.add_argument("--cache-first", action="store_true",
+                   help="make the cache before the weights (its two halves then sit in "
+                   "an unfragmented pool)")
     return p
 
 
@@ -144,12 +147,19 @@ def main(argv=None) -> int:
         from pallas_kernels import sparse_attention as sa
         sa.STEP_BLOCKS = dataclasses.replace(sa.STEP_BLOCKS, whole_from=args.step_whole_from)
     phases = args.phases.split(",")
+    tag = f"{args.label} " if args.label else ""
+    if args.cache_first:
+        from vegas_jax.config import get_config
+
+        cache = profile_cache(get_config(args.model), args.batch, args.context, args.gamma,
+                              jnp.bfloat16)
+        print(f"{tag}{memory_line('making the cache', cache)}")
     model = load_model(args.model, random_init=True, exec_config=exec_from_args(args))
     xc = model.exec_config
-    tag = f"{args.label} " if args.label else ""
     print(f"{tag}{memory_line('loading the weights', model.params)}")
-    cache = profile_cache(model.config, args.batch, args.context, args.gamma, jnp.bfloat16)
-    print(f"{tag}{memory_line('making the cache', cache)}")
+    if not args.cache_first:
+        cache = profile_cache(model.config, args.batch, args.context, args.gamma, jnp.bfloat16)
+        print(f"{tag}{memory_line('making the cache', cache)}")
     sp = SamplingParams(args.temperature, args.top_k, args.top_p)
     spec = SpecConfig(method=args.method, gamma=args.gamma, sparsity=args.sparsity)
     ph = Phases(model, cache, spec, sp, xc)
@@ -178,7 +188,8 @@ def main(argv=None) -> int:
         fn, per, label = runs[name]
         t = time.perf_counter()
         jax.block_until_ready(fn())  # compiles
-        print(f"{tag}{label}: first call (compile) {time.perf_counter() - t:.1f} s")
+        print(f"{tag}{label}: first call (compile) {time.perf_counter() - t:.1f} s; "
+              f"{memory_line('it')}")
         out[name] = report(kernel_times(fn), tag + label, per=per, top=args.top,
                            wall=wall_ms(fn) / per)
     if args.hlo:

@@ -125,13 +125,14 @@ STEP_BLOCKS = StepBlocks()  # read at call time (benchmarks.tune_sparse_step swa
 
 def _chunk_attention(q_parts, k_ref, v_ref, idx_ref, cnt_ref, ts_ref, layer, il, bi, h, hi,
                      j, qpos, *, block_k, chunk, n_sel, n_idx, tail_len, s_len, scale,
-                     skip_qpos, one_program=False):
+                     skip_qpos, one_program=False, live=None):
     """Online softmax of program j's chunk (selected entries or tail) for one (sequence,
     KV head). q_parts: ((q [rows, w], last-axis slice of the cache rows it multiplies),
     ...): the logits are the sum of their dots (RoPE's two halves, or the whole row).
     With `skip_qpos`, entries at the query's own position are left out and counted: its
     K/V is written by this very call, so the caller adds it from registers.
-    `one_program`: this program covers the whole list and then the whole tail.
+    `one_program`: this program covers the whole list and then the whole tail. `live`
+    (traced bool or None): False walks no entry (a padding row's program).
     Returns (o [rows, d], m [rows], l [rows], hits)."""
     rows = q_parts[0][0].shape[0]
     d = v_ref.shape[-1]
@@ -167,6 +168,8 @@ def _chunk_attention(q_parts, k_ref, v_ref, idx_ref, cnt_ref, ts_ref, layer, il,
     def walk(nblk, pos_of, ok_of, carry):
         """Blocks 0..nblk-1 with positions pos_of(i) and validity ok_of(i). Positions are
         loaded one block ahead: their latency overlaps this block's gathers."""
+        if live is not None:
+            nblk = jnp.where(live, nblk, 0)
 
         def body(i, c):
             *c, pos = c
@@ -366,7 +369,12 @@ def _step_kernel(layer_ref, il, qkv_ref, *refs, per_head, g, kh, qk_norm, eps, n
         o_ref, ko_ref, vo_ref = outs
     else:
         o_ref, m_ref, l_ref, ko_ref, vo_ref = outs
-    bi, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    # rows of qkv past the cache's batch pad the residual stream (`sparse_step`): their
+    # programs read the last sequence's scalars, walk nothing, write no cache and output 0
+    pid, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    b = qp_ref.shape[0]
+    live = pid < b
+    bi = jnp.minimum(pid, b - 1)
     hi = h if per_head else jnp.int32(0)
     layer = layer_ref[0]
     qpos = qp_ref[bi]
@@ -379,12 +387,12 @@ def _step_kernel(layer_ref, il, qkv_ref, *refs, per_head, g, kh, qk_norm, eps, n
     cos = rope_ref[bi, 0, :][None, :]  # [1, d/2]
     sin = rope_ref[bi, 1, :][None, :]
 
-    q = [qkv_ref[bi, rid, lo], qkv_ref[bi, rid, up]]  # gather [rows, d/2] x 2
-    k = [qkv_ref[bi, pl.ds(kh * g + h, 1), lo], qkv_ref[bi, pl.ds(kh * g + h, 1), up]]
-    v = qkv_ref[bi, pl.ds(kh * g + kh + h, 1), :]  # [1, d]
+    q = [qkv_ref[pid, rid, lo], qkv_ref[pid, rid, up]]  # gather [rows, d/2] x 2
+    k = [qkv_ref[pid, pl.ds(kh * g + h, 1), lo], qkv_ref[pid, pl.ds(kh * g + h, 1), up]]
+    v = qkv_ref[pid, pl.ds(kh * g + kh + h, 1), :]  # [1, d]
     if hidden:  # the input norm's scale of this sequence's row: (r x) @ W = r (x @ W)
         hp = pow2_at_least(hidden)
-        xr = pltr.load(x_ref.at[bi, pl.ds(0, hp)], mask=jnp.arange(hp) < hidden,
+        xr = pltr.load(x_ref.at[pid, pl.ds(0, hp)], mask=jnp.arange(hp) < hidden,
                        other=0).astype(jnp.float32)  # [hp]
         r = lax.rsqrt(jnp.sum(xr * xr) / hidden + eps)
         q, k = ([(a.astype(jnp.float32) * r).astype(a.dtype) for a in part] for part in (q, k))
@@ -394,7 +402,7 @@ def _step_kernel(layer_ref, il, qkv_ref, *refs, per_head, g, kh, qk_norm, eps, n
     q = _rope(*q, cos, sin)
     k = _rope(*k, cos, sin)
 
-    @pl.when((j == 0) & (qpos < kw["s_len"]))
+    @pl.when((j == 0) & (qpos < kw["s_len"]) & live)
     def _write():
         ko_ref[layer, bi, h, pl.ds(qpos, 1), lo] = k[0]
         ko_ref[layer, bi, h, pl.ds(qpos, 1), up] = k[1]
@@ -406,7 +414,7 @@ def _step_kernel(layer_ref, il, qkv_ref, *refs, per_head, g, kh, qk_norm, eps, n
     parts = ((q[0], lo), (q[1], up))
     o, m, l, hits = _chunk_attention(parts, k_ref, v_ref, idx_ref, cnt_ref,
                                      ts_ref, layer, il, bi, h, hi, j, qpos,
-                                     skip_qpos=True, one_program=normalize, **kw)
+                                     skip_qpos=True, one_program=normalize, live=live, **kw)
     # the new token's own entry, as often as this chunk listed its position
     s_new = sum(jnp.sum(qp.astype(jnp.float32) * kp.astype(jnp.float32), axis=-1)
                 for qp, kp in zip(q, k)) * kw["scale"]  # [rows]
@@ -418,7 +426,7 @@ def _step_kernel(layer_ref, il, qkv_ref, *refs, per_head, g, kh, qk_norm, eps, n
     o = o * corr[:, None] + p[:, None] * v.astype(jnp.float32)
     if normalize:
         o = o / jnp.where(l == 0.0, 1.0, l)[:, None]
-        o_ref[bi, rid, :] = o.astype(o_ref.dtype)
+        o_ref[pid, rid, :] = o.astype(o_ref.dtype)
     else:
         o_ref[...] = o
         m_ref[...] = m_new
@@ -454,11 +462,16 @@ def sparse_step(qkv, q_norm, k_norm, rope, k_cache, v_cache, layer, idx, count, 
     returned; the rest as in `sparse_attention`. Every input but qkv and the norms is the
     same for all layers of a step: built once, outside the layer loop (a per-layer stack
     or concatenation costs a kernel launch a layer).
-    Returns (out [b, 1, k, g, d] in qkv.dtype, k_cache, v_cache).
+    qkv (and x) may carry rows past the cache's b sequences (bq >= b: the model keeps a
+    draft's residual stream at a multiple of 8 rows, `ExecConfig.row_pad`, so that cuBLAS
+    pads no matmul input): their outputs are zeros and they touch no cache.
+    Returns (out [bq, 1, k, g, d] in qkv.dtype, k_cache, v_cache).
     """
-    b = qkv.shape[0]
-    _, _, kh, s, d = k_cache.shape
+    bq = qkv.shape[0]
+    _, b, kh, s, d = k_cache.shape
     g = num_heads // kh
+    if bq < b:
+        raise ValueError(f"qkv has {bq} rows for a cache of {b} sequences")
     if qkv.shape[-1] % d or qkv.shape[-1] < (num_heads + 2 * kh) * d:
         raise ValueError(f"qkv's last axis ({qkv.shape[-1]}) must hold the {num_heads + 2 * kh} "
                          f"q/k/v heads of width {d}, and whole heads after them")
@@ -481,23 +494,23 @@ def sparse_step(qkv, q_norm, k_norm, rope, k_cache, v_cache, layer, idx, count, 
     n_in = len(scalars) + 1 + len(xs) + len(norms) + 5  # index of k_cache: the caches come last
     cache_shape = jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype)
     if normalize:
-        out_specs = [whole((b, num_heads, d)), whole(k_cache.shape), whole(v_cache.shape)]
-        out_shape = [jax.ShapeDtypeStruct((b, num_heads, d), qkv.dtype), cache_shape,
+        out_specs = [whole((bq, num_heads, d)), whole(k_cache.shape), whole(v_cache.shape)]
+        out_shape = [jax.ShapeDtypeStruct((bq, num_heads, d), qkv.dtype), cache_shape,
                      cache_shape]
     else:
         spec_o = pl.BlockSpec((None, None, None, rows, d), lambda bi, h, c: (bi, h, c, 0, 0))
         spec_v = pl.BlockSpec((None, None, None, rows), lambda bi, h, c: (bi, h, c, 0))
         out_specs = [spec_o, spec_v, spec_v, whole(k_cache.shape), whole(v_cache.shape)]
         out_shape = [
-            jax.ShapeDtypeStruct((b, kh, n_prog, rows, d), jnp.float32),  # [b, k, J, rows, d]
-            jax.ShapeDtypeStruct((b, kh, n_prog, rows), jnp.float32),
-            jax.ShapeDtypeStruct((b, kh, n_prog, rows), jnp.float32),
+            jax.ShapeDtypeStruct((bq, kh, n_prog, rows, d), jnp.float32),  # [bq, k, J, rows, d]
+            jax.ShapeDtypeStruct((bq, kh, n_prog, rows), jnp.float32),
+            jax.ShapeDtypeStruct((bq, kh, n_prog, rows), jnp.float32),
             cache_shape, cache_shape]
     n_out = len(out_shape)
     res = pl.pallas_call(
         kernel,
-        grid=(b, kh, n_prog),
-        in_specs=[*[whole((1,))] * len(scalars), whole((b, n_rows, d)),
+        grid=(bq, kh, n_prog),
+        in_specs=[*[whole((1,))] * len(scalars), whole((bq, n_rows, d)),
                   *[whole(a.shape) for a in xs],
                   *[whole((d,))] * len(norms), whole((b, 2, half)), whole(idx4.shape),
                   whole(cnt3.shape), whole((b,)), whole((b,)), whole(k_cache.shape),
@@ -509,11 +522,11 @@ def sparse_step(qkv, q_norm, k_norm, rope, k_cache, v_cache, layer, idx, count, 
                                             num_stages=blocks.num_stages),
         interpret=interpret,
         name="vegas_sparse_step",
-    )(*scalars, qkv.reshape(b, n_rows, d), *xs, *norms, rope.astype(jnp.float32),
+    )(*scalars, qkv.reshape(bq, n_rows, d), *xs, *norms, rope.astype(jnp.float32),
       idx4, cnt3, tail_start.astype(jnp.int32), q_pos.astype(jnp.int32), k_cache, v_cache)
     k_cache, v_cache = res[-2:]
     if normalize:
-        out = res[0].reshape(b, kh, g, d)
+        out = res[0].reshape(bq, kh, g, d)
     else:
         out, _ = combine_splits(*res[:3])  # [b, kh, rows, d]
         out = out[:, :, :g].astype(qkv.dtype)
@@ -525,9 +538,11 @@ def sparse_step_reference(qkv, q_norm, k_norm, rope, k_cache, v_cache, layer, id
                           idx_layer=None, x=None):
     """Input-norm scale (with x), split, norm, RoPE, cache write and
     `sparse_attention_reference`, in plain XLA."""
-    b = qkv.shape[0]
-    _, _, kh, s, d = k_cache.shape
+    bq = qkv.shape[0]
+    _, b, kh, s, d = k_cache.shape
+    qkv = qkv[:b]  # padding rows (`sparse_step`) output zeros
     if x is not None:
+        x = x[:b]
         xf = x.astype(jnp.float32)
         r = lax.rsqrt(jnp.mean(xf * xf, axis=-1) + eps)  # [b]
         qkv = (qkv.astype(jnp.float32) * r[:, None, None]).astype(qkv.dtype)
@@ -560,4 +575,4 @@ def sparse_step_reference(qkv, q_norm, k_norm, rope, k_cache, v_cache, layer, id
     out = sparse_attention_reference(q.reshape(b, 1, kh, num_heads // kh, d), k_cache, v_cache,
                                      layer, idx, count, tail_start, q_pos, tail_len=tail_len,
                                      idx_layer=idx_layer)
-    return out, k_cache, v_cache
+    return jnp.pad(out, ((0, bq - b),) + ((0, 0),) * 4), k_cache, v_cache

@@ -112,3 +112,33 @@ def test_merged_draft_layer_computes_the_fused_one(pallas_interpret):
     vf, _, _ = forward(pf, cfg, fused, tok, pos, cache, AttnPlan())
     vm, _, _ = forward(broken, cfg, merged, tok, pos, cache, AttnPlan())
     np.testing.assert_array_equal(np.asarray(vm), np.asarray(vf))
+
+
+def test_padded_draft_rows_change_nothing(pallas_interpret):
+    """`ExecConfig.row_pad`: a fused draft of 3 sequences carried as 8 rows (5 padding rows
+    through every layer, dropped before the LM head) gives the unpadded draft's logits
+    and cache, and the padding rows write no cache entry."""
+    import dataclasses
+
+    from vegas_jax.cache import KVCache
+    from vegas_jax.model import forward, layout_params
+    from tests.tiny import tiny_model
+
+    m = tiny_model(scale=0.3)
+    padded = dataclasses.replace(PALLAS, draft="fused", row_pad=8)
+    plain = dataclasses.replace(padded, row_pad=1)
+    p = layout_params(m.params, padded)
+    cfg, L, b, s = m.config, m.config.num_layers, 3, 96
+    kc, vc = _cache(L=L, b=b, kh=cfg.num_kv_heads, s=s, d=cfg.head_dim)
+    cache = KVCache(k=kc, v=vc, lengths=jnp.array([63, 64, 65]))
+    K = 12
+    idx = jax.random.randint(jax.random.PRNGKey(7), (L, b, K), 0, 50)
+    plan = AttnPlan(mode="sparse", tail_len=5, idx=idx, count=jnp.full((L, b), K),
+                    tail_start=jnp.array([60, 61, 62]))
+    tok, pos = jnp.array([[5], [17], [42]]), jnp.array([[63], [64], [65]])
+    lp, cp, _ = forward(p, cfg, padded, tok, pos, cache, plan)
+    l1, c1, _ = forward(p, cfg, plain, tok, pos, cache, plan)
+    assert lp.shape == (b, 1, cfg.vocab_size)
+    np.testing.assert_allclose(np.asarray(lp), np.asarray(l1), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(cp.k), np.asarray(c1.k))
+    np.testing.assert_array_equal(np.asarray(cp.v), np.asarray(c1.v))

@@ -161,6 +161,43 @@ def test_sparse_step_matches_reference(case, with_x):
     assert not np.array_equal(np.asarray(rk), np.asarray(kc))
 
 
+@pytest.mark.parametrize("unsplit", [False, True])
+def test_sparse_step_padding_rows_output_zeros_and_touch_no_cache(unsplit):
+    """qkv and x with rows past the cache's batch (the model's padded residual stream):
+    the real rows are those of the unpadded call, the padding rows zeros, and the cache
+    is written for the real sequences only."""
+    from pallas_kernels.sparse_attention import rope_halves, sparse_step, sparse_step_reference
+
+    L, b, bq, kh, g, d, s, K, W = 2, 3, 8, 2, 2, 32, 200, 24, 9
+    n = kh * g
+    ks = jax.random.split(jax.random.PRNGKey(5), 7)
+    kc = jax.random.normal(ks[0], (L, b, kh, s, d))
+    vc = jax.random.normal(ks[1], (L, b, kh, s, d))
+    qkv = jax.random.normal(ks[2], (bq, 1, (n + 2 * kh) * d))
+    x = jax.random.normal(ks[3], (bq, 48))
+    q_pos = jnp.array([150, 199, 120])
+    idx = jax.random.randint(ks[4], (L, b, K), 0, 100)
+    count = jnp.full((L, b), K)
+    ang = q_pos[:, None, None] * jnp.ones((1, 1, d)) * 0.01
+    rope = rope_halves(jnp.cos(ang), jnp.sin(ang))
+    args = (jnp.ones((d,)), jnp.ones((d,)), rope, kc, vc, jnp.int32(1), idx, count,
+            q_pos - 5, q_pos)
+    kw = dict(tail_len=W, num_heads=n, qk_norm=True, idx_layer=jnp.int32(1))
+    sb = SparseBlocks(block_k=16, target_programs=2 * b * kh)
+    blocks = StepBlocks(split=sb, whole=sb, whole_from=1 if unsplit else 10**6)
+    out, ok_, ov = sparse_step(qkv, *args, **kw, x=x, interpret=True, blocks=blocks)
+    one, k1, v1 = sparse_step(qkv[:b], *args, **kw, x=x[:b], interpret=True, blocks=blocks)
+    ref, rk, rv = sparse_step_reference(qkv, *args, **kw, x=x)
+    assert out.shape == ref.shape == (bq, 1, kh, g, d)
+    np.testing.assert_allclose(np.asarray(out[:b]), np.asarray(one), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-4, atol=1e-4)
+    assert not np.asarray(out[b:]).any()
+    # (interpret mode on the CPU rounds the padded shapes' arithmetic a little differently)
+    np.testing.assert_allclose(np.asarray(ok_), np.asarray(k1), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(ov), np.asarray(rv), rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(ok_)[:, :, :, 121:150], np.asarray(kc)[:, :, :, 121:150])
+
+
 def test_sparse_step_lowers_for_cuda():
     from pallas_kernels.sparse_attention import sparse_step
 

@@ -56,6 +56,11 @@ class ExecConfig:
       grouped matmul ("triton": reads only the experts in use, no spare tiles; faster up
       to ~32 tokens), or "pallas": triton for few rows, mosaic for many (Hopper only).
     tp: tensor-parallel degree: the model split across this many devices (`sharding`).
+    row_pad: a fused draft of a dense model carries its residual stream padded to a
+      multiple of this many rows (the padding rows compute zeros and are dropped before
+      the LM head): cuBLAS pads half-precision matmul operands to multiples of 8, and at
+      B 4 XLA did so with a pad kernel before each of a draft layer's four matmuls (8 % of
+      a Qwen3-8B draft step). 1: no padding.
     "auto" resolves by backend: on the GPU cuBLAS and unrolled layers; elsewhere the XLA
     path and a scan; fused drafts wherever the Pallas kernels run; the selection's kernel
     where the attention's are; cuDNN prefills on the GPU; the Pallas grouped matmuls
@@ -69,6 +74,7 @@ class ExecConfig:
     prefill: str = "auto"
     moe: str = "auto"
     tp: int = 1
+    row_pad: int = 8
 
     def __post_init__(self):
         for name, allowed in (("attn", ATTN), ("gemm", GEMM), ("layers", LAYERS),
@@ -78,6 +84,8 @@ class ExecConfig:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if int(self.tp) != self.tp or self.tp < 1:
             raise ValueError(f"tp must be a whole number >= 1, got {self.tp}")
+        if int(self.row_pad) != self.row_pad or self.row_pad < 1:
+            raise ValueError(f"row_pad must be a whole number >= 1, got {self.row_pad}")
         if self.draft == "merged" and self.tp > 1:
             raise ValueError("draft='merged' runs on one device: use draft='fused' with tp > 1")
         if self.moe in ("mosaic", "pallas") and self.tp > 1:
@@ -106,6 +114,7 @@ class ExecConfig:
             prefill=self.prefill if self.prefill != "auto" else ("cudnn" if gpu else "pallas"),
             moe=moe,
             tp=self.tp,
+            row_pad=self.row_pad,
         )
 
     @property
@@ -168,6 +177,9 @@ def add_exec_args(p) -> None:
                    "ops around the sparse-attention kernel; merged: fused, and the draft "
                    "layer's four matmuls as three through extra draft-only weights (dense "
                    "models, one device)")
+    p.add_argument("--draft-row-pad", type=int, default=8, metavar="N",
+                   help="fused drafts of dense models carry their batch padded to a "
+                   "multiple of N rows, so that cuBLAS pads no matmul input (1: off)")
     p.add_argument("--select-impl", default="auto", choices=SELECT,
                    help="the selection's top-k threshold: one Pallas kernel reading the "
                    "scores once, or XLA count passes; auto: pallas where the attention is")
@@ -188,4 +200,5 @@ def exec_from_args(args) -> ExecConfig:
     return ExecConfig(attn=args.attn_impl or "auto", gemm=args.gemm, layers=args.layers,
                       draft=args.draft_attn, select=getattr(args, "select_impl", "auto"),
                       prefill=getattr(args, "prefill_impl", "auto"),
-                      moe=getattr(args, "moe_impl", "auto"), tp=args.tp)
+                      moe=getattr(args, "moe_impl", "auto"), tp=args.tp,
+                      row_pad=getattr(args, "draft_row_pad", 8))

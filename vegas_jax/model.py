@@ -345,11 +345,16 @@ def forward(
     full-attention layers' captured attention scores [len(cfg.full_layers), ...] (every
     layer but gpt-oss's sliding ones) when `plan` asks for a capture (else None).
     """
-    x = params.embed[tokens]  # [b, t, h]
+    b = tokens.shape[0]
+    fused = write and fused_draft(plan, xc, cfg)
+    pad = -b % xc.row_pad if fused and b > 1 and not cfg.is_moe else 0
+    # a fused draft's padding rows (token 0; the draft kernel outputs zeros for them):
+    # matmul inputs of a multiple of 8 rows, which cuBLAS would otherwise pad layer by layer
+    x = params.embed[jnp.pad(tokens, ((0, pad), (0, 0)))]  # [b + pad, t, h]
     cos, sin = rope_tables(cfg, positions)
     # the fused draft kernel's RoPE table, made once per forward: made inside the layer,
     # it would cost a small kernel launch per layer
-    rope = rope_halves(cos, sin) if write and fused_draft(plan, xc, cfg) else None
+    rope = rope_halves(cos, sin) if fused else None
     if cfg.sliding_layers and plan.mode == "sparse":
         # a draft's sliding layers read their window as the tail (`attention`): room for it
         plan = plan.replace(tail_len=max(plan.tail_len, cfg.sliding_window))
@@ -377,6 +382,7 @@ def forward(
         shape = None if cap is None else cap.scores_shape(*cache.k.shape[1:4])
         carry, scores = _layer_loop(step, carry, params.layers, cfg, shape)
     x, k_cache, v_cache = carry
+    x = x[:b]
     if logits_at is not None:
         x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)  # [b, 1, h]
     x = rms_norm(x, params.final_norm, cfg.rms_norm_eps)
