@@ -114,6 +114,10 @@ def build_parser():
                    help="print XLA's memory plan of each phase (arguments, outputs, aliased, "
                         "temporaries) before running any; with --memory-only, run none")
     p.add_argument("--memory-only", action="store_true", help="the memory plans alone")
+    p.add_argument("--split-wide", default=None, metavar="SPECS",
+                   help="time the draft step once per `sparse_step` split tile at head dims "
+                   "above 64, each 'block_k,warps,stages,target_programs', ';' between "
+                   "them (after the phases; the jit caches are cleared between them)")
     p.add_argument("--cache-first", action="store_true",
                    help="make the cache before the weights (its two halves then sit in "
                    "an unfragmented pool)")
@@ -192,6 +196,20 @@ def main(argv=None) -> int:
               f"{memory_line('it')}")
         out[name] = report(kernel_times(fn), tag + label, per=per, top=args.top,
                            wall=wall_ms(fn) / per)
+    if args.split_wide:
+        import dataclasses
+
+        from pallas_kernels import sparse_attention as sa
+        for spec in args.split_wide.split(";"):
+            bk, w, st, t = (int(v) for v in spec.split(","))
+            sa.STEP_BLOCKS = dataclasses.replace(sa.STEP_BLOCKS, split_wide=sa.SparseBlocks(
+                block_k=bk, num_warps=w, num_stages=st, target_programs=t))
+            jax.clear_caches()
+            label = f"draft step, split_wide {spec}"
+            jax.block_until_ready(ph.draft())
+            out[f"draft split_wide {spec}"] = report(
+                kernel_times(ph.draft), tag + label, per=args.gamma, top=3,
+                wall=wall_ms(ph.draft) / args.gamma)
     if args.hlo:
         os.makedirs(args.hlo, exist_ok=True)
         for name, text in ph.hlo_texts(phases).items():

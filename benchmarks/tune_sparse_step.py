@@ -31,8 +31,9 @@ def _whole(bk, w):
     return StepBlocks(whole=SparseBlocks(block_k=bk, num_warps=w, num_stages=3), whole_from=1)
 
 
-def _split(t, bk):
-    return StepBlocks(SparseBlocks(block_k=bk, target_programs=t), whole_from=SPLIT)
+def _split(t, bk, w=4, st=2):
+    sb = SparseBlocks(block_k=bk, num_warps=w, num_stages=st, target_programs=t)
+    return StepBlocks(split=sb, split_wide=sb, whole_from=SPLIT)
 
 
 CANDIDATES = [
@@ -46,6 +47,13 @@ CANDIDATES = [
     ("split t528 bk64", _split(528, 64)),
 ]
 
+# the split path's grid and tiles at wide heads and few sequences (Qwen3-8B, B 4: 32
+# (sequence, KV head) pairs over thousands of selected entries)
+SPLIT_GRID = [("default", StepBlocks())] + [
+    (f"split t{t} bk{bk} w{w} s{st}", _split(t, bk, w, st))
+    for t in (528, 1056, 2112) for bk in (32, 64) for w in (4, 8) for st in (2, 3)
+    if not (bk == 32 and w == 8)]
+
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -57,6 +65,9 @@ def main():
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--sparsity", type=float, default=0.07)
     p.add_argument("--tail", type=int, default=13)
+    p.add_argument("--candidates", default="default", choices=("default", "split"),
+                   help="the candidate set: whole vs split tiles (default), or the split "
+                   "path's grid sizes, tiles, warps and stages (split)")
     a = p.parse_args()
     L, b, kh, g, d = a.layers, a.batch, a.kv_heads, a.group, a.head_dim
     s = a.context + 128
@@ -97,7 +108,8 @@ def main():
     one_kw = dict(tail_len=a.tail, num_heads=kh * g, idx_layer=jnp.int32(L - 1), x=hid)
     ref = jax.jit(lambda *x: sparse_step_reference(*x, **one_kw)[0])(*one_args(kc, vc))
     rows = [("reference (XLA)", sparse_step_reference, None)]
-    rows += [(n, sparse_step, bl) for n, bl in CANDIDATES]
+    rows += [(n, sparse_step, bl)
+             for n, bl in (CANDIDATES if a.candidates == "default" else SPLIT_GRID)]
     for name, fn, bl in rows:
         f = fn if bl is None else (lambda *x, bl=bl, **k: sparse_step(*x, **k, blocks=bl))
         if bl is not None:

@@ -118,6 +118,12 @@ class StepBlocks:
     # head dims above 64: the split path's tiles, the ones measured at Qwen3-8B shapes (the
     # 128-row, 3-stage tiles were measured at head dim 64 only)
     whole_wide: SparseBlocks = SparseBlocks()
+    # the split path at head dims above 64: 32-row blocks, 3 stages. Qwen3-8B shapes,
+    # 128K, a model's draft step (`benchmarks.kernel_profile --split-wide`): 1828 us of
+    # sparse steps against 2020 for the head-dim-64 tiles at B 4, 598 against 593 at B 1
+    # (8 warps, which the isolated `tune_sparse_step` chain preferred, measured 10 %
+    # slower in the model; BENCHMARKS.md, 2026-12-03 d)
+    split_wide: SparseBlocks = SparseBlocks(block_k=32, num_warps=4, num_stages=3)
 
 
 STEP_BLOCKS = StepBlocks()  # read at call time (benchmarks.tune_sparse_step swaps it)
@@ -480,7 +486,10 @@ def sparse_step(qkv, q_norm, k_norm, rope, k_cache, v_cache, layer, idx, count, 
     n_idx = idx4.shape[-1]
     blocks = blocks or STEP_BLOCKS
     normalize = b * kh >= blocks.whole_from
-    blocks = (blocks.split if not normalize else blocks.whole if d <= 64 else blocks.whole_wide)
+    if normalize:
+        blocks = blocks.whole if d <= 64 else blocks.whole_wide
+    else:
+        blocks = blocks.split if d <= 64 else blocks.split_wide
     bk, chunk, n_sel, n_prog = _chunking(b, kh, n_idx, tail_len, blocks, split=not normalize)
     rows = pow2_at_least(g)
     half = d // 2

@@ -62,7 +62,10 @@ def synthetic_cache(cfg, batch: int, max_len: int, length: int, dtype) -> KVCach
         # Uniform in [-1.7, 1.7): unit variance, like normalised keys.
         return ((h >> 8).astype(jnp.float32) * (3.4 / 2**24) - 1.7).astype(dtype)
 
-    return KVCache(k=make(jnp.uint32(1)), v=make(jnp.uint32(2)),
+    # one half made before the other is dispatched: an allocation failure shows here, not
+    # in the first call that reads the cache
+    k = jax.block_until_ready(make(jnp.uint32(1)))
+    return KVCache(k=k, v=jax.block_until_ready(make(jnp.uint32(2))),
                    lengths=jnp.full((batch,), length, jnp.int32))
 
 
