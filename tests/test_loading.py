@@ -248,6 +248,28 @@ def test_random_init_from_checkpoint_config(tiny_hf, hf_with_tokenizer, dtype):
     assert_params_identical(rnd.params, again.params)
 
 
+def test_random_init_unrolled_draws_the_stacked_values_layer_by_layer(monkeypatch):
+    """init_params(unrolled=True) gives the stacked draw's values, one buffer per layer,
+    also for fields drawn a block of layers at a time (over `_DRAW_WHOLE_BYTES`), and
+    load_model uses it for the unrolled layout (no stacked field is ever made)."""
+    from vegas_jax import model as model_mod
+    from vegas_jax.execution import ExecConfig
+    from tests.tiny import tiny_config
+
+    cfg = tiny_config()
+    monkeypatch.setattr(model_mod, "_DRAW_WHOLE_BYTES", 2000)  # every field in blocks
+    stacked = model_mod.init_params(cfg, jax.random.key(0), jnp.float32)
+    per = model_mod.init_params(cfg, jax.random.key(0), jnp.float32, unrolled=True)
+    assert isinstance(per.layers, tuple) and len(per.layers) == cfg.num_layers
+    assert_params_identical(stacked, model_mod.stack_layers(per))
+    monkeypatch.undo()
+    m = load_model("smollm2-135m", random_init=True, exec_config=ExecConfig(layers="unrolled"))
+    assert isinstance(m.params.layers, tuple)
+    m2 = load_model("smollm2-135m", random_init=True, exec_config=ExecConfig(layers="scan"))
+    np.testing.assert_array_equal(np.asarray(m.params.layers[3].w_qkv, np.float32),
+                                  np.asarray(m2.params.layers.w_qkv[3], np.float32))
+
+
 @pytest.mark.parametrize("name", ["qwen3-8b", "llama-3.1-8b", "smollm2-135m"])
 def test_random_init_full_shapes_abstract(name):
     # eval_shape: the full-size shapes without allocating them.

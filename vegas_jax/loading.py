@@ -182,14 +182,14 @@ def load_model(
     """
     from vegas_jax.sharding import check_tp, place_params
 
-    m = _load(name, checkpoint, random_init, dtype, seed)
     xc = exec_config.resolve()
+    m = _load(name, checkpoint, random_init, dtype, seed, xc.layers == "unrolled")
     check_tp(m.config, xc.tp)
     params = layout_params(m.params, xc, donate=True)  # freshly loaded: nobody else holds them
     return m._replace(params=place_params(params, m.config, xc.tp), exec_config=xc)
 
 
-def _load(name, checkpoint, random_init, dtype, seed) -> Model:
+def _load(name, checkpoint, random_init, dtype, seed, unrolled=False) -> Model:
     from vegas_jax.checkpoint.common import dtype_name
 
     dt = jnp.dtype(dtype_name(dtype))
@@ -199,7 +199,7 @@ def _load(name, checkpoint, random_init, dtype, seed) -> Model:
     if checkpoint is None:
         if random_init:
             cfg = get_config(name or DEFAULT_MODEL)
-            return Model(cfg, init_params(cfg, jax.random.key(seed), dt), None)
+            return Model(cfg, init_params(cfg, jax.random.key(seed), dt, unrolled=unrolled), None)
         if name is None or name == DEFAULT_MODEL:
             checkpoint = default_gguf_path()
         else:
@@ -219,7 +219,7 @@ def _load(name, checkpoint, random_init, dtype, seed) -> Model:
             cfg = _check_agrees(name, cfg, path)
         tokenizer = gguf.read_tokenizer(reader)
         if random_init:
-            return Model(cfg, init_params(cfg, jax.random.key(seed), dt), tokenizer)
+            return Model(cfg, init_params(cfg, jax.random.key(seed), dt, unrolled=unrolled), tokenizer)
         return Model(cfg, _to_device(gguf.read_params(reader, cfg, dt, path=path)), tokenizer)
 
     from vegas_jax.checkpoint.hf import load_hf_tokenizer
@@ -236,7 +236,7 @@ def _load(name, checkpoint, random_init, dtype, seed) -> Model:
         cfg = _check_agrees(name, cfg, path)
     tokenizer = load_hf_tokenizer(path)
     if random_init:
-        return Model(cfg, init_params(cfg, jax.random.key(seed), dt), tokenizer)
+        return Model(cfg, init_params(cfg, jax.random.key(seed), dt, unrolled=unrolled), tokenizer)
     if kind == "orbax":
         _, params = load_orbax_checkpoint(path, dt)
     else:

@@ -497,10 +497,15 @@ def map_layers(params: Params, fn) -> Params:
                           else fn(layers))
 
 
-def init_params(cfg: ModelConfig, key, dtype=jnp.bfloat16, scale: float = 0.02) -> Params:
+def init_params(cfg: ModelConfig, key, dtype=jnp.bfloat16, scale: float = 0.02,
+                unrolled: bool = False) -> Params:
     """Random weights of the full model shapes, made on the default device.
 
-    Norm weights are ones, like a fresh checkpoint; projections N(0, scale).
+    Norm weights are ones, like a fresh checkpoint; projections N(0, scale). unrolled:
+    one buffer per layer (the same values): no stacked field is ever made, so a large
+    model's load never holds a field twice (Qwen3-30B-A3B's 36 GB expert gate/up field
+    stacked and then cut peaked at 93.6 GiB for 57 GiB of weights, and the holes it left
+    kept a 24 GiB cache half from finding room on a 141 GB card).
     """
     L, h, f, d = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     n, kv = cfg.num_heads, cfg.num_kv_heads
@@ -508,7 +513,7 @@ def init_params(cfg: ModelConfig, key, dtype=jnp.bfloat16, scale: float = 0.02) 
     keys = iter(list(jax.random.split(key, 10)))
 
     def normal(shape):
-        return _random_normal(next(keys), shape, dtype, scale)
+        return _random_normal(next(keys), shape, dtype, scale, per_layer=unrolled)
 
     moe, e, fe = cfg.is_moe, cfg.num_experts, cfg.moe_intermediate_size
     # gpt-oss's extra tensors draw from keys of their own: the other models' weights stay
@@ -519,18 +524,23 @@ def init_params(cfg: ModelConfig, key, dtype=jnp.bfloat16, scale: float = 0.02) 
     def extra(shape, on):
         if not on:
             return None
-        return _random_normal(next(extra_keys), shape, dtype, scale)
+        return _random_normal(next(extra_keys), shape, dtype, scale, per_layer=unrolled)
+
+    def ones(shape):
+        if unrolled:
+            return [jnp.ones(shape[1:], dtype) for _ in range(shape[0])]
+        return jnp.ones(shape, dtype)
 
     def make():
-        layers = LayerParams(
-            attn_norm=jnp.ones((L, h), dtype),
+        fields = dict(
+            attn_norm=ones((L, h)),
             w_qkv=normal((L, h, (n + 2 * kv) * d)),
             wo=normal((L, n * d, h)),
-            mlp_norm=jnp.ones((L, h), dtype),
+            mlp_norm=ones((L, h)),
             w_gate_up=None if moe else normal((L, h, 2 * f)),
             w_down=None if moe else normal((L, f, h)),
-            q_norm=jnp.ones((L, d), dtype) if cfg.qk_norm else None,
-            k_norm=jnp.ones((L, d), dtype) if cfg.qk_norm else None,
+            q_norm=ones((L, d)) if cfg.qk_norm else None,
+            k_norm=ones((L, d)) if cfg.qk_norm else None,
             w_router=normal((L, h, e)) if moe else None,
             w_expert_gate_up=normal((L, e, h, 2 * fe)) if moe else None,
             w_expert_down=normal((L, e, fe, h)) if moe else None,
@@ -541,11 +551,17 @@ def init_params(cfg: ModelConfig, key, dtype=jnp.bfloat16, scale: float = 0.02) 
             b_expert_gate_up=extra((L, e, 2 * fe), oss),
             b_expert_down=extra((L, e, h), oss),
         )
+        if unrolled:
+            layers = tuple(LayerParams(**{f: None if v is None else v[i]
+                                          for f, v in fields.items()}) for i in range(L))
+        else:
+            layers = LayerParams(**fields)
         return Params(
-            embed=normal((cfg.vocab_size, h)),
+            embed=_random_normal(next(keys), (cfg.vocab_size, h), dtype, scale),
             layers=layers,
             final_norm=jnp.ones((h,), dtype),
-            lm_head=None if cfg.tie_embeddings else normal((h, cfg.vocab_size)),
+            lm_head=None if cfg.tie_embeddings else _random_normal(
+                next(keys), (h, cfg.vocab_size), dtype, scale),
         )
 
     return make()
@@ -557,15 +573,24 @@ def init_params(cfg: ModelConfig, key, dtype=jnp.bfloat16, scale: float = 0.02) 
 _DRAW_WHOLE_BYTES = 1 << 30
 
 
-def _random_normal(key, shape, dtype, scale: float):
+def _random_normal(key, shape, dtype, scale: float, per_layer: bool = False):
     """N(0, scale) weights of `shape`, made on the device, one jitted draw a field (the
     same values as one draw inside a larger jit) or, over 1 GiB, a block of leading rows
-    (layers) at a time."""
+    (layers) at a time. per_layer: a list of the leading rows (layers) as buffers of
+    their own, the same values, no stacked buffer made over 1 GiB."""
     dtype = jnp.dtype(dtype)
     nbytes = int(np.prod(shape)) * dtype.itemsize
     if nbytes <= _DRAW_WHOLE_BYTES:
-        return _draw(key, shape, dtype, scale)
+        whole = _draw(key, shape, dtype, scale)
+        return [whole[i] for i in range(shape[0])] if per_layer else whole
     rows = max(1, shape[0] * _DRAW_WHOLE_BYTES // nbytes)  # leading rows a draw
+    if per_layer:
+        out = []
+        for i in range(0, shape[0], rows):
+            n = min(rows, shape[0] - i)
+            block = _draw(jax.random.fold_in(key, i), (n,) + tuple(shape[1:]), dtype, scale)
+            out += [block[0]] if n == 1 else [block[j] for j in range(n)]
+        return out
     buf = jnp.zeros(shape, dtype)
     for i in range(0, shape[0], rows):
         n = min(rows, shape[0] - i)
