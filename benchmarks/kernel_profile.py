@@ -118,6 +118,9 @@ def build_parser():
                    help="time the draft step once per `sparse_step` split tile at head dims "
                    "above 64, each 'block_k,warps,stages,target_programs', ';' between "
                    "them (after the phases; the jit caches are cleared between them)")
+    p.add_argument("--verify-blocks", default=None, metavar="SPECS",
+                   help="time the verify (with capture) and the decode step once per "
+                   "verify-kernel tile, each 'block_k,warps,stages', ';' between them")
     p.add_argument("--cache-first", action="store_true",
                    help="make the cache before the weights (its two halves then sit in "
                    "an unfragmented pool)")
@@ -210,6 +213,21 @@ def main(argv=None) -> int:
             out[f"draft split_wide {spec}"] = report(
                 kernel_times(ph.draft), tag + label, per=args.gamma, top=3,
                 wall=wall_ms(ph.draft) / args.gamma)
+    if args.verify_blocks:
+        import dataclasses
+
+        from pallas_kernels import verify_attention as va
+        for spec in args.verify_blocks.split(";"):
+            bk, w, st = (int(v) for v in spec.split(","))
+            va.VERIFY_BLOCKS = dataclasses.replace(va.VERIFY_BLOCKS, block_k=bk, num_warps=w,
+                                                   num_stages=st)
+            jax.clear_caches()
+            for name, fn, per in (("verify+capture", lambda: ph.verify(True), 1),
+                                  ("decode step", ph.vanilla, 8)):
+                jax.block_until_ready(fn())
+                out[f"{name} verify_blocks {spec}"] = report(
+                    kernel_times(fn), f"{tag}{name}, verify blocks {spec}", per=per, top=2,
+                    wall=wall_ms(fn) / per)
     if args.hlo:
         os.makedirs(args.hlo, exist_ok=True)
         for name, text in ph.hlo_texts(phases).items():

@@ -156,6 +156,9 @@ class VerifyBlocks:
     waves: bool = True  # more splits (up to 1.5x) where they fill the grid's last wave
 
 
+VERIFY_BLOCKS = VerifyBlocks()  # read at call time (benchmarks.kernel_profile swaps it)
+
+
 def _verify_kernel(layer_ref, *refs, block_k, split_len, s_len, scale, rows, kh, normalize,
                    cap, windowed=False):
     """Flash-decoding over one key split.
@@ -498,7 +501,7 @@ def _prefill_cudnn(q, k_cache, v_cache, layer):
 
 def verify_attention(
     q, k_cache, v_cache, layer, q_pos, *, capture="none", capture_rows=(0,), score="weight",
-    interpret=False, blocks: VerifyBlocks = VerifyBlocks(), prefill_impl="pallas",
+    interpret=False, blocks: VerifyBlocks | None = None, prefill_impl="pallas",
     epilogue="pallas", window=None, sinks=None,
 ):
     """Pallas (Triton) op with exactly `verify_attention_reference`'s semantics.
@@ -511,6 +514,7 @@ def verify_attention(
     (`with_sinks`), before the captured weights are taken from it.
     """
     _check_modes(capture, score)
+    blocks = blocks or VERIFY_BLOCKS
     b, t, kh, g, d = q.shape
     s = k_cache.shape[3]
     cap_list = [int(r) % t for r in capture_rows] if capture != "none" else []
