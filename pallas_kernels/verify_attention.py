@@ -137,7 +137,8 @@ _LN2 = 0.6931471805599453
 @dataclasses.dataclass(frozen=True)
 class VerifyBlocks:
     """Tuning knobs. block_k: keys per loop step (None: 128 for verify / decode, 64 for
-    prefill, from the H200 sweep in BENCHMARKS.md); num_warps / num_stages: Triton (None:
+    prefill and for verify / decode of wide heads over fewer than 128 (sequence, KV head)
+    pairs, from the H200 sweeps in BENCHMARKS.md); num_warps / num_stages: Triton (None:
     4 warps up to 64 rows per program, else 8; 3 stages for verify / decode, else 2);
     max_rows: largest t * g handled as one query block; row_block: rows per program in
     prefill; target_programs: grid size aimed at when choosing the number of key splits;
@@ -536,7 +537,13 @@ def verify_attention(
         return out, sc
 
     decode_like = t * g <= blocks.max_rows
-    bk = blocks.block_k or (128 if decode_like else 64)
+    # 64-key blocks for prefill, and for verify / decode at wide heads over few (sequence,
+    # KV head) pairs: two programs an SM instead of one. Qwen3-8B, 128K, a verify with
+    # capture: 18.97 against 20.98 ms at B 4 (32 pairs), level at B 1; decode 17.33
+    # against 18.12 ms at B 4; at B 16 32K (128 pairs) 128-key blocks stay (decode 17.07
+    # against 17.36 ms; BENCHMARKS.md, 2026-12-03 d)
+    few_wide = d > 64 and b * kh < 128
+    bk = blocks.block_k or (128 if decode_like and not few_wide else 64)
     bk = min(bk, pow2_at_least(s))
     stages = blocks.num_stages or (3 if decode_like else 2)
     # programs resident per SM, as shared memory allows: the K and V tiles of each stage
