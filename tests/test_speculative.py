@@ -58,6 +58,12 @@ def test_greedy_equals_vanilla(tiny, prompts, vanilla, method, score):
     r = np.array(st["rounds_by_sequence"])
     assert len(r) == len(prompts) and (r > 0).all()
     assert np.dot(st["tau_by_sequence"], r) / r.sum() == pytest.approx(st["tau"])
+    # per call and slot (slot = prompt here): the rounds and tokens of each sequence
+    acc = np.array(st["accepted_by_call"])  # [calls, b], -1 = slot inactive
+    assert acc.shape == (st["rounds"], len(prompts)) and acc.max() <= 3
+    np.testing.assert_array_equal((acc >= 0).sum(0), r)
+    np.testing.assert_allclose(np.where(acc >= 0, acc + 1, 0).sum(0),
+                               np.array(st["tau_by_sequence"]) * r)
 
 
 @pytest.mark.parametrize("method", METHODS)

@@ -423,7 +423,8 @@ def run(args, model=None) -> list[dict]:
                        wait_ms_per_call=st["wait_ms_per_call"],
                        dispatch_ms_per_call=st["dispatch_ms_per_call"],
                        call_ms=st["call_ms"], active_by_call=st["active_by_call"],
-                       rounds_by_sequence=st.get("rounds_by_sequence"))
+                       rounds_by_sequence=st.get("rounds_by_sequence"),
+                       accepted_by_call=st.get("accepted_by_call"))
             if "auto" in st:
                 row["auto"] = st["auto"]
             if m == "vanilla":

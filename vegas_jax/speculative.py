@@ -635,7 +635,7 @@ def speculative_generate(
 
     tally = {"accepted_at": np.zeros(gamma, np.int64), "rounds": 0, "emitted": 0, "calls": 0,
              "seq_rounds": np.zeros(len(ids), np.int64),
-             "seq_emitted": np.zeros(len(ids), np.int64)}
+             "seq_emitted": np.zeros(len(ids), np.int64), "accepted_by_call": []}
 
     def count(out, ready_at=None, wait_s=None):
         _, _, n_acc, was_active = out
@@ -643,7 +643,9 @@ def speculative_generate(
             left = None if refill is not None and refill.waiting else collector.remaining()
             auto.read(n_acc, was_active, ready_at, wait_s, left)
         if n_acc is None:  # plain decoding steps
+            tally["accepted_by_call"].append(None)
             return
+        tally["accepted_by_call"].append(np.where(was_active, n_acc, -1).tolist())
         tally["calls"] += 1
         owner = collector.owner[was_active]  # the prompt each active slot decodes
         np.add.at(tally["seq_rounds"], owner, 1)
@@ -744,6 +746,9 @@ def speculative_generate(
         "tau_by_sequence": [float(e / r) if r else None
                             for e, r in zip(tally["seq_emitted"], tally["seq_rounds"])],
         "rounds_by_sequence": tally["seq_rounds"].tolist(),
+        # per call, per slot: drafts accepted (-1: slot inactive; None: a plain-steps call)
+        # for replaying a gamma policy offline
+        "accepted_by_call": tally["accepted_by_call"],
         "attn_impl": xc.attn,
         "cache_len": cache.max_len,
     }
