@@ -72,6 +72,20 @@ def test_sparse_drafts_of_finished_sequences_read_nothing(pallas_interpret, fuse
     _split_rows(run(plan), run(plan.replace(active=ACTIVE)))
 
 
+def _draft_inputs(cfg):
+    """A 3-sequence cache of 96 positions, a sparse draft plan over it, the draft tokens and
+    their positions: (cache, plan, tokens [3, 1], positions [3, 1])."""
+    from vegas_jax.cache import KVCache
+
+    L, b, K = cfg.num_layers, 3, 12
+    kc, vc = _cache(L=L, b=b, kh=cfg.num_kv_heads, s=96, d=cfg.head_dim)
+    cache = KVCache(k=kc, v=vc, lengths=jnp.array([63, 64, 65]))
+    idx = jax.random.randint(jax.random.PRNGKey(7), (L, b, K), 0, 50)
+    plan = AttnPlan(mode="sparse", tail_len=5, idx=idx, count=jnp.full((L, b), K),
+                    tail_start=jnp.array([60, 61, 62]))
+    return cache, plan, jnp.array([[5], [17], [42]]), jnp.array([[63], [64], [65]])
+
+
 def test_merged_draft_layer_computes_the_fused_one(pallas_interpret):
     """`ExecConfig(draft="merged")`: a draft step through the draft-only merged weights
     (three matmuls a layer, the MLP's norm scale applied after its product) gives the
@@ -79,7 +93,6 @@ def test_merged_draft_layer_computes_the_fused_one(pallas_interpret):
     read (zeroing w_draft_o changes the logits); verify and plain decoding never read them."""
     import dataclasses
 
-    from vegas_jax.cache import KVCache
     from vegas_jax.model import forward, layout_params
     from tests.tiny import tiny_model
 
@@ -89,15 +102,8 @@ def test_merged_draft_layer_computes_the_fused_one(pallas_interpret):
     pf, pm = layout_params(m.params, fused), layout_params(m.params, merged)
     assert pf.layers.w_draft_in is None and pm.layers.w_draft_in is not None
     assert ExecConfig(draft="merged").resolve("cpu").draft == "fused"  # XLA path: no use
-    cfg, L, b, s = m.config, m.config.num_layers, 3, 96
-    kc, vc = _cache(L=L, b=b, kh=cfg.num_kv_heads, s=s, d=cfg.head_dim)
-    cache = KVCache(k=kc, v=vc, lengths=jnp.array([63, 64, 65]))
-    K = 12
-    idx = jax.random.randint(jax.random.PRNGKey(7), (L, b, K), 0, 50)
-    plan = AttnPlan(mode="sparse", tail_len=5, idx=idx, count=jnp.full((L, b), K),
-                    tail_start=jnp.array([60, 61, 62]))
-    tok = jnp.array([[5], [17], [42]])
-    pos = jnp.array([[63], [64], [65]])
+    cfg = m.config
+    cache, plan, tok, pos = _draft_inputs(cfg)
 
     def draft(p, xc):
         logits, c, _ = forward(p, cfg, xc, tok, pos, cache, plan)
@@ -120,7 +126,6 @@ def test_padded_draft_rows_change_nothing(pallas_interpret):
     and cache, and the padding rows write no cache entry."""
     import dataclasses
 
-    from vegas_jax.cache import KVCache
     from vegas_jax.model import forward, layout_params
     from tests.tiny import tiny_model
 
@@ -128,14 +133,8 @@ def test_padded_draft_rows_change_nothing(pallas_interpret):
     padded = dataclasses.replace(PALLAS, draft="fused", row_pad=8)
     plain = dataclasses.replace(padded, row_pad=1)
     p = layout_params(m.params, padded)
-    cfg, L, b, s = m.config, m.config.num_layers, 3, 96
-    kc, vc = _cache(L=L, b=b, kh=cfg.num_kv_heads, s=s, d=cfg.head_dim)
-    cache = KVCache(k=kc, v=vc, lengths=jnp.array([63, 64, 65]))
-    K = 12
-    idx = jax.random.randint(jax.random.PRNGKey(7), (L, b, K), 0, 50)
-    plan = AttnPlan(mode="sparse", tail_len=5, idx=idx, count=jnp.full((L, b), K),
-                    tail_start=jnp.array([60, 61, 62]))
-    tok, pos = jnp.array([[5], [17], [42]]), jnp.array([[63], [64], [65]])
+    cfg, b = m.config, 3
+    cache, plan, tok, pos = _draft_inputs(cfg)
     lp, cp, _ = forward(p, cfg, padded, tok, pos, cache, plan)
     l1, c1, _ = forward(p, cfg, plain, tok, pos, cache, plan)
     assert lp.shape == (b, 1, cfg.vocab_size)
