@@ -121,9 +121,6 @@ def build_parser():
     p.add_argument("--verify-blocks", default=None, metavar="SPECS",
                    help="time the verify (with capture) and the decode step once per "
                    "verify-kernel tile, each 'block_k,warps,stages', ';' between them")
-    p.add_argument("--cache-first", action="store_true",
-                   help="make the cache before the weights (its two halves then sit in "
-                   "an unfragmented pool)")
     return p
 
 
@@ -155,18 +152,11 @@ def main(argv=None) -> int:
         sa.STEP_BLOCKS = dataclasses.replace(sa.STEP_BLOCKS, whole_from=args.step_whole_from)
     phases = args.phases.split(",")
     tag = f"{args.label} " if args.label else ""
-    if args.cache_first:
-        from vegas_jax.config import get_config
-
-        cache = profile_cache(get_config(args.model), args.batch, args.context, args.gamma,
-                              jnp.bfloat16)
-        print(f"{tag}{memory_line('making the cache', cache)}")
     model = load_model(args.model, random_init=True, exec_config=exec_from_args(args))
     xc = model.exec_config
     print(f"{tag}{memory_line('loading the weights', model.params)}")
-    if not args.cache_first:
-        cache = profile_cache(model.config, args.batch, args.context, args.gamma, jnp.bfloat16)
-        print(f"{tag}{memory_line('making the cache', cache)}")
+    cache = profile_cache(model.config, args.batch, args.context, args.gamma, jnp.bfloat16)
+    print(f"{tag}{memory_line('making the cache', cache)}")
     sp = SamplingParams(args.temperature, args.top_k, args.top_p)
     spec = SpecConfig(method=args.method, gamma=args.gamma, sparsity=args.sparsity)
     ph = Phases(model, cache, spec, sp, xc)
@@ -199,35 +189,34 @@ def main(argv=None) -> int:
               f"{memory_line('it')}")
         out[name] = report(kernel_times(fn), tag + label, per=per, top=args.top,
                            wall=wall_ms(fn) / per)
-    if args.split_wide:
+    if args.split_wide or args.verify_blocks:
         import dataclasses
 
         from pallas_kernels import sparse_attention as sa
-        for spec in args.split_wide.split(";"):
-            bk, w, st, t = (int(v) for v in spec.split(","))
+        from pallas_kernels import verify_attention as va
+
+        def split_wide(bk, w, st, t):
             sa.STEP_BLOCKS = dataclasses.replace(sa.STEP_BLOCKS, split_wide=sa.SparseBlocks(
                 block_k=bk, num_warps=w, num_stages=st, target_programs=t))
-            jax.clear_caches()
-            label = f"draft step, split_wide {spec}"
-            jax.block_until_ready(ph.draft())
-            out[f"draft split_wide {spec}"] = report(
-                kernel_times(ph.draft), tag + label, per=args.gamma, top=3,
-                wall=wall_ms(ph.draft) / args.gamma)
-    if args.verify_blocks:
-        import dataclasses
 
-        from pallas_kernels import verify_attention as va
-        for spec in args.verify_blocks.split(";"):
-            bk, w, st = (int(v) for v in spec.split(","))
+        def verify_blocks(bk, w, st):
             va.VERIFY_BLOCKS = dataclasses.replace(va.VERIFY_BLOCKS, block_k=bk, num_warps=w,
                                                    num_stages=st)
-            jax.clear_caches()
-            for name, fn, per in (("verify+capture", lambda: ph.verify(True), 1),
-                                  ("decode step", ph.vanilla, 8)):
-                jax.block_until_ready(fn())
-                out[f"{name} verify_blocks {spec}"] = report(
-                    kernel_times(fn), f"{tag}{name}, verify blocks {spec}", per=per, top=2,
-                    wall=wall_ms(fn) / per)
+
+        sweeps = [(args.split_wide, "split_wide", split_wide,
+                   [("draft step", ph.draft, args.gamma)]),
+                  (args.verify_blocks, "verify blocks", verify_blocks,
+                   [("verify+capture", lambda: ph.verify(True), 1),
+                    ("decode step", ph.vanilla, 8)])]
+        for specs, what, apply, timed in sweeps:
+            for spec in (specs.split(";") if specs else []):
+                apply(*(int(v) for v in spec.split(",")))
+                jax.clear_caches()  # the tiles are read when the kernels are traced
+                for name, fn, per in timed:
+                    jax.block_until_ready(fn())
+                    out[f"{name}, {what} {spec}"] = report(
+                        kernel_times(fn), f"{tag}{name}, {what} {spec}", per=per, top=3,
+                        wall=wall_ms(fn) / per)
     if args.hlo:
         os.makedirs(args.hlo, exist_ok=True)
         for name, text in ph.hlo_texts(phases).items():

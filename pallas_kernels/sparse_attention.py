@@ -537,7 +537,7 @@ def sparse_step(qkv, q_norm, k_norm, rope, k_cache, v_cache, layer, idx, count, 
     if normalize:
         out = res[0].reshape(bq, kh, g, d)
     else:
-        out, _ = combine_splits(*res[:3])  # [b, kh, rows, d]
+        out, _ = combine_splits(*res[:3])  # [bq, kh, rows, d]
         out = out[:, :, :g].astype(qkv.dtype)
     return out[:, None], k_cache, v_cache
 

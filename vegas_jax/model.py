@@ -589,7 +589,7 @@ def _random_normal(key, shape, dtype, scale: float, per_layer: bool = False):
         for i in range(0, shape[0], rows):
             n = min(rows, shape[0] - i)
             block = _draw(jax.random.fold_in(key, i), (n,) + tuple(shape[1:]), dtype, scale)
-            out += [block[0]] if n == 1 else [block[j] for j in range(n)]
+            out += [block[j] for j in range(n)]
         return out
     buf = jnp.zeros(shape, dtype)
     for i in range(0, shape[0], rows):
