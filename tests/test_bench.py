@@ -51,6 +51,18 @@ def test_methods_table_tiny_model(prompts_json, capsys):
     assert "round_ms" not in rows["stream"]  # only the methods asked for are profiled
 
 
+def test_sparsities_run_each_method_at_each_budget(prompts_json, capsys):
+    rc = bench.main(["--prompts-json", prompts_json, "--batch", "2", "--context", "256",
+                     "--new-tokens", "12", "--min-tokens", "8", "--gamma", "3",
+                     "--methods", "vanilla,vegas", "--sparsities", "0.05,0.5",
+                     "--profile-reps", "0", "--attn-impl", "xla"],
+                    model=tiny_model(scale=0.3))
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "| vegas | 3 | 0.05 |" in out and "| vegas | 3 | 0.5 |" in out
+    assert "tail vegas g3 s0.05:" in out
+
+
 def test_profile_only_projects(capsys):
     rc = bench.main(["--profile-only", "--batch", "1", "--context", "200", "--gamma", "2",
                      "--min-tokens", "8", "--methods", "vegas", "--profile-reps", "1",
@@ -65,6 +77,7 @@ def test_profile_only_projects(capsys):
 @pytest.mark.parametrize("flags, msg", [
     (["--methods", "vanilla,nope"], "unknown method 'nope'"),
     (["--batch", "0"], "must be >= 1"),
+    (["--sparsities", "0.07,0"], "sparsity must be in (0, 1]"),
 ])
 def test_bad_input(flags, msg, capsys):
     assert bench.main(flags, model=tiny_model()) == 2

@@ -338,6 +338,9 @@ def build_parser():
                    help="comma-separated gammas: every speculative method runs at each "
                    "(default: --gamma); auto starts from --gamma")
     p.add_argument("--sparsity", type=float, default=0.07, help="draft budget fraction")
+    p.add_argument("--sparsities", default=None,
+                   help="comma-separated budget fractions: every speculative method runs at "
+                   "each gamma and each of them (default: --sparsity); auto runs at --sparsity")
     p.add_argument("--profile-reps", type=int, default=5,
                    help="timed repetitions of each round phase (0: skip the phase split)")
     p.add_argument("--profile-only", action="store_true",
@@ -402,15 +405,22 @@ def run(args, model=None) -> list[dict]:
                           gamma=args.gamma, sparsity=args.sparsity, min_tokens=args.min_tokens)
         return check_impls(model, prompts, args.new_tokens, spec)
     gammas = [int(g) for g in args.gammas.split(",")] if args.gammas else [args.gamma]
-    runs = [(m, g) for m in methods for g in (gammas if m not in ("vanilla", "auto")
-                                              else [args.gamma])]
+    sparsities = ([float(s) for s in args.sparsities.split(",")] if args.sparsities
+                  else [args.sparsity])
+    if not all(0 < s <= 1 for s in sparsities):  # before any run, not after vanilla's
+        raise ValueError(f"sparsity must be in (0, 1], got {sparsities}")
+    runs = [(m, g, s) for m in methods
+            for g in (gammas if m not in ("vanilla", "auto") else [args.gamma])
+            for s in (sparsities if m not in ("vanilla", "auto") else [args.sparsity])]
     ref_tokens = None
-    for m, g in tqdm(runs, desc="methods", file=sys.stderr, disable=args.json):
+    for m, g, s in tqdm(runs, desc="methods", file=sys.stderr, disable=args.json):
         gc.collect()  # the previous run's cache and state (some in reference cycles) go now
         spec = SpecConfig(method=m if m != "vanilla" else "vegas", gamma=g,
-                          sparsity=args.sparsity, min_tokens=args.min_tokens, score=args.score,
+                          sparsity=s, min_tokens=args.min_tokens, score=args.score,
                           exact=args.exact)
         row = {"method": m, "gamma": g if m != "vanilla" else 0}
+        if m != "vanilla":
+            row["sparsity"] = s
         if not profile_only:
             res = speculative_generate(model, prompts, args.new_tokens,
                                        dataclasses.replace(spec, method=m), sampling,
@@ -465,13 +475,14 @@ def tail_line(row, batch: int) -> str:
     def mean(sel):
         ms = [m for m, a in zip(row["call_ms"], row["active_by_call"]) if m is not None and sel(a)]
         return f"{sum(ms) / len(ms):.2f} ms ({len(ms)} calls)" if ms else "-"
-    return (f"tail {row['method']} g{row.get('gamma')}: all {batch} active {mean(lambda a: a == batch)}, "
+    s = f" s{row['sparsity']:g}" if row.get("sparsity") is not None else ""
+    return (f"tail {row['method']} g{row.get('gamma')}{s}: all {batch} active {mean(lambda a: a == batch)}, "
             f"<= {batch // 4} active {mean(lambda a: a <= batch // 4)}")
 
 
 def format_table(rows, gamma) -> str:
-    head = ["method", "gamma", "tok/s", "speedup", "tau", "= vanilla", "acc@1..gamma",
-            "ms/call", "round ms", "draft ms", "verify ms", "capture+select ms",
+    head = ["method", "gamma", "sparsity", "tok/s", "speedup", "tau", "= vanilla",
+            "acc@1..gamma", "ms/call", "round ms", "draft ms", "verify ms", "capture+select ms",
             "vanilla step ms"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
@@ -479,7 +490,8 @@ def format_table(rows, gamma) -> str:
             return fmt.format(r[key]) if key in r and r[key] is not None else ""
         acc = " ".join(f"{a:.2f}" for a in r.get("acceptance", [])) if r.get("acceptance") else ""
         lines.append("| " + " | ".join([
-            r["method"], str(r.get("gamma", "")), f("tok_s"), f("speedup", "{:.2f}x"),
+            r["method"], str(r.get("gamma", "")), f("sparsity", "{:g}"), f("tok_s"),
+            f("speedup", "{:.2f}x"),
             f("tau", "{:.2f}"), f("equal_sequences", "{:d}"), acc, f("ms_per_call", "{:.2f}"),
             f("round_ms", "{:.2f}"), f("draft_ms", "{:.2f}"), f("verify_ms", "{:.2f}"),
             f("selection_overhead_ms", "{:.2f}"), f("vanilla_step_ms", "{:.2f}")]) + " |")
