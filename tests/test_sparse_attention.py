@@ -213,3 +213,57 @@ def test_sparse_step_lowers_for_cuda():
             sd((), jnp.int32), sd((b, K), jnp.int32), sd((b,), jnp.int32),
             sd((b,), jnp.int32), sd((b,), jnp.int32))
         assert "xla.gpu.triton" in txt
+
+
+# (bq, kh, J, g, d, out dtype): the split step's combine kernel. SmolLM2 B 1 and Qwen3-8B
+# B 4 shapes; J and g not powers of two; J 17, g 8, d 128 splits d into two blocks
+COMBINE_CASES = [
+    (1, 3, 9, 3, 64, jnp.float32),
+    (2, 8, 17, 4, 128, jnp.bfloat16),
+    (2, 2, 17, 8, 128, jnp.float32),
+    (2, 2, 1, 1, 64, jnp.float32),
+    (1, 2, 3, 8, 128, jnp.bfloat16),
+    (3, 2, 9, 1, 128, jnp.float32),
+    (2, 3, 3, 4, 64, jnp.bfloat16),
+    (1, 4, 1, 3, 128, jnp.bfloat16),
+]
+
+
+@pytest.mark.parametrize("case", COMBINE_CASES, ids=[f"c{i}" for i in range(len(COMBINE_CASES))])
+def test_combine_step_splits_matches_combine_splits(case):
+    """Empty chunks (m = NEG, l = 0, o = 0) among real ones; sequence 0's head 0 saw
+    nothing in any chunk: its rows are zeros."""
+    from pallas_kernels.common import NEG, combine_splits, pow2_at_least
+    from pallas_kernels.sparse_attention import combine_step_splits
+
+    bq, kh, J, g, d, dtype = case
+    rows = pow2_at_least(g)
+    ks = jax.random.split(jax.random.PRNGKey(J * 10 + g), 4)
+    o = jax.random.normal(ks[0], (bq, kh, J, rows, d))  # [b, k, J, R, d]
+    m = 3.0 * jax.random.normal(ks[1], (bq, kh, J, rows))  # [b, k, J, R]
+    l = jax.random.uniform(ks[2], (bq, kh, J, rows), minval=0.5, maxval=8.0)
+    empty = jax.random.bernoulli(ks[3], 0.3, (bq, kh, J)).at[0, 0].set(True)  # [b, k, J]
+    m = jnp.where(empty[..., None], NEG, m)
+    l = jnp.where(empty[..., None], 0.0, l)
+    o = jnp.where(empty[..., None, None], 0.0, o)
+    ref = np.asarray(combine_splits(o, m, l)[0][:, :, :g].astype(dtype), np.float32)
+    out = combine_step_splits(o, m, l, g, dtype, interpret=True)
+    assert out.shape == (bq, kh, g, d) and out.dtype == dtype
+    out = np.asarray(out, np.float32)
+    assert not out[0, 0].any()
+    assert np.abs(out).max() > 0
+    tol = 1e-2 if dtype == jnp.bfloat16 else 1e-6
+    np.testing.assert_allclose(out, ref, atol=tol, rtol=tol)
+
+
+def test_combine_step_splits_lowers_for_cuda():
+    from pallas_kernels.sparse_attention import combine_step_splits
+
+    sd = jax.ShapeDtypeStruct
+    for bq, kh, J, g, d in [(8, 8, 17, 4, 128), (1, 3, 9, 3, 64), (2, 2, 17, 8, 128),
+                            (2, 2, 1, 1, 64)]:
+        rows = max(16, g)
+        fn = functools.partial(combine_step_splits, g=g, out_dtype=jnp.bfloat16)
+        txt = lower_cuda(fn, sd((bq, kh, J, rows, d), jnp.float32),
+                         sd((bq, kh, J, rows), jnp.float32), sd((bq, kh, J, rows), jnp.float32))
+        assert "xla.gpu.triton" in txt
