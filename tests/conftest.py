@@ -97,7 +97,6 @@ def pallas_interpret(monkeypatch):
     """Every Pallas kernel the model's Pallas path calls, in interpret mode (CPU)."""
     import functools
 
-    from pallas_kernels import swiglu
     from pallas_kernels.sparse_attention import sparse_attention, sparse_step
     from pallas_kernels.topk import select_topk_fast
     from pallas_kernels.verify_attention import verify_attention
@@ -109,8 +108,6 @@ def pallas_interpret(monkeypatch):
     monkeypatch.setattr(attn_mod, "sparse_attention",
                         functools.partial(sparse_attention, interpret=True))
     monkeypatch.setattr(attn_mod, "sparse_step", functools.partial(sparse_step, interpret=True))
-    monkeypatch.setattr(swiglu, "scaled_swiglu",
-                        functools.partial(swiglu.scaled_swiglu, interpret=True))
     monkeypatch.setattr(sel_mod, "select_topk_fast",
                         functools.partial(select_topk_fast, interpret=True))
 

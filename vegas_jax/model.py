@@ -23,7 +23,7 @@ import numpy as np
 from flax import struct
 from jax import lax
 
-from pallas_kernels import grouped_matmul, swiglu
+from pallas_kernels import grouped_matmul
 from pallas_kernels.sparse_attention import rope_halves
 from vegas_jax.attention import AttnPlan, attention, fused_draft, sparse_block
 from vegas_jax.cache import KVCache, write_kv
@@ -172,7 +172,7 @@ def _layer(cfg: ModelConfig, xc: ExecConfig, write: bool, plan: AttnPlan, cos, s
                                            x.reshape(b, -1) if scaled_in_kernel else None)
         if merged:
             return _merged_mlp(cfg, x, o, gate_up_x, lp), k_cache, v_cache, None
-        return _mlp(cfg, xc, x, o, lp, draft=True), k_cache, v_cache, None
+        return _mlp(cfg, xc, x, o, lp), k_cache, v_cache, None
     # columns per shard: [q_i | k_i | v_i] for each of the tp shards (`sharding`)
     per = qkv.reshape(b, t, xc.tp, -1)  # [b, t, tp, (n + 2k)*d / tp]
     nq, nk = k_heads * g * d // xc.tp, k_heads * d // xc.tp
@@ -196,18 +196,11 @@ def _layer(cfg: ModelConfig, xc: ExecConfig, write: bool, plan: AttnPlan, cos, s
     return _mlp(cfg, xc, x, o, lp), k_cache, v_cache, scores
 
 
-def _mlp(cfg: ModelConfig, xc: ExecConfig, x, o, lp: LayerParams, draft: bool = False):
-    """The layer after attention: output projection, residual, MLP, residual. draft: a
-    fused draft step's layer (the Pallas path)."""
+def _mlp(cfg: ModelConfig, xc: ExecConfig, x, o, lp: LayerParams):
+    """The layer after attention: output projection, residual, MLP, residual."""
     b, t, _ = x.shape
     attn = mm("btn,nh->bth", o.reshape(b, t, -1).astype(x.dtype), lp.wo)
     x = x + (attn if lp.bo is None else attn + lp.bo)
-    if draft and lp.mlp_norm is None and not cfg.is_moe and xc.tp == 1:
-        # the folded norm's row scale after the gate/up product, inside the SwiGLU's
-        # kernel: no norm kernel before the matmul (`pallas_kernels.swiglu`)
-        gate_up = mm("bth,hf->btf", x, lp.w_gate_up).reshape(b * t, -1)  # [b*t, 2f]
-        act = swiglu.scaled_swiglu(gate_up, x.reshape(b * t, -1), cfg.rms_norm_eps)
-        return x + mm("btf,fh->bth", act.reshape(b, t, -1), lp.w_down)
     h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
     if cfg.is_moe:
         impl = "xla" if xc.moe == "auto" else xc.moe
