@@ -115,6 +115,11 @@ class StepBlocks:
     # for 128 rows on four (BENCHMARKS.md, 2026-12-02 e)
     whole: SparseBlocks = SparseBlocks(block_k=64, num_warps=2, num_stages=3)
     whole_from: int = 128
+    # below whole_from, from this many pairs on the chunks are combined by one Pallas
+    # kernel (`combine_step_splits`), below it by XLA's fusions. H200, one lease: SmolLM2
+    # B 16 (48 pairs) round 8.60 -> 8.19 ms; B 1 (3 pairs) 7.67 -> 7.77 ms, its draft
+    # step's wall longer although its kernels took less (BENCHMARKS.md, 2026-12-03 e)
+    combine_from: int = 16
     # head dims above 64: the split path's tiles, the ones measured at Qwen3-8B shapes (the
     # 128-row, 3-stage tiles were measured at head dim 64 only)
     whole_wide: SparseBlocks = SparseBlocks()
@@ -548,12 +553,12 @@ def sparse_step(qkv, q_norm, k_norm, rope, k_cache, v_cache, layer, idx, count, 
     n_rows = qkv.shape[-1] // d  # the kernel reads rows 0 .. num_heads + 2 kh - 1 only
     idx4, cnt3, idx_layer, per_head = _index_inputs(b, idx, count, idx_layer)
     n_idx = idx4.shape[-1]
-    blocks = blocks or STEP_BLOCKS
-    normalize = b * kh >= blocks.whole_from
+    step_blocks = blocks or STEP_BLOCKS
+    normalize = b * kh >= step_blocks.whole_from
     if normalize:
-        blocks = blocks.whole if d <= 64 else blocks.whole_wide
+        blocks = step_blocks.whole if d <= 64 else step_blocks.whole_wide
     else:
-        blocks = blocks.split if d <= 64 else blocks.split_wide
+        blocks = step_blocks.split if d <= 64 else step_blocks.split_wide
     bk, chunk, n_sel, n_prog = _chunking(b, kh, n_idx, tail_len, blocks, split=not normalize)
     rows = pow2_at_least(g)
     half = d // 2
@@ -601,7 +606,11 @@ def sparse_step(qkv, q_norm, k_norm, rope, k_cache, v_cache, layer, idx, count, 
     if normalize:
         out = res[0].reshape(bq, kh, g, d)
     else:
-        out = combine_step_splits(*res[:3], g, qkv.dtype, interpret=interpret)  # [bq, kh, g, d]
+        if b * kh >= step_blocks.combine_from:
+            out = combine_step_splits(*res[:3], g, qkv.dtype, interpret=interpret)
+        else:
+            out, _ = combine_splits(*res[:3])  # [bq, kh, rows, d]
+            out = out[:, :, :g].astype(qkv.dtype)  # [bq, kh, g, d]
     return out[:, None], k_cache, v_cache
 
 

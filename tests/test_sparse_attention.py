@@ -148,7 +148,9 @@ def test_sparse_step_matches_reference(case, with_x):
     ref, rk, rv = sparse_step_reference(*args, **kw)
     # unsplit: a tail shorter than the list's blocks walks its own, smaller blocks
     sb = SparseBlocks(block_k=32 if unsplit else 16, target_programs=3 * b * kh)
-    blocks = StepBlocks(split=sb, whole=sb, whole_from=1 if unsplit else 10**6)
+    # split: the chunks combined by the Pallas kernel (with x) or by XLA (without)
+    blocks = StepBlocks(split=sb, whole=sb, whole_from=1 if unsplit else 10**6,
+                        combine_from=1 if with_x else 10**6)
     out, ok_, ov = sparse_step(*args, **kw, interpret=True, blocks=blocks)
     assert out.shape == ref.shape and out.dtype == ref.dtype
     tol = 2e-2 if dtype == jnp.bfloat16 else 1e-4
@@ -184,7 +186,7 @@ def test_sparse_step_padding_rows_output_zeros_and_touch_no_cache(unsplit):
             q_pos - 5, q_pos)
     kw = dict(tail_len=W, num_heads=n, qk_norm=True, idx_layer=jnp.int32(1))
     sb = SparseBlocks(block_k=16, target_programs=2 * b * kh)
-    blocks = StepBlocks(split=sb, whole=sb, whole_from=1 if unsplit else 10**6)
+    blocks = StepBlocks(split=sb, whole=sb, whole_from=1 if unsplit else 10**6, combine_from=1)
     out, ok_, ov = sparse_step(qkv, *args, **kw, x=x, interpret=True, blocks=blocks)
     one, k1, v1 = sparse_step(qkv[:b], *args, **kw, x=x[:b], interpret=True, blocks=blocks)
     ref, rk, rv = sparse_step_reference(qkv, *args, **kw, x=x)
