@@ -82,7 +82,7 @@ def tile_plan(group_sizes, m: int, block_m: int):
 
 
 def _gmm_kernel(grp_ref, row0_ref, rows_ref, x_ref, w_ref, o_ref, *, block_m, block_k,
-                block_n, k):
+                block_n, k, loop):
     # grp/row0/rows [T]; x_ref [m, k]; w_ref [g, k, n]; o_ref [m, n]
     t, j = pl.program_id(0), pl.program_id(1)
     rows = rows_ref[t]
@@ -92,22 +92,31 @@ def _gmm_kernel(grp_ref, row0_ref, rows_ref, x_ref, w_ref, o_ref, *, block_m, bl
         g, r0 = grp_ref[t], row0_ref[t]
         ri = jnp.arange(block_m, dtype=jnp.int32)
         ok = (ri < rows)[:, None]  # [block_m, 1]
-        acc = jnp.zeros((block_m, block_n), jnp.float32)
-        for k0 in range(0, k, block_k):  # static: k is a weight dimension
+
+        def step(k0, acc):
             xb = pltr.load(x_ref.at[pl.ds(r0, block_m), pl.ds(k0, block_k)], mask=ok,
                            other=0.0)  # [block_m, block_k]
             wb = w_ref[g, pl.ds(k0, block_k), pl.ds(j * block_n, block_n)]  # [block_k, block_n]
-            acc += dot(xb, wb)
+            return acc + dot(xb, wb)
+
+        acc = jnp.zeros((block_m, block_n), jnp.float32)
+        if loop:  # a loop Triton can software-pipeline (num_stages)
+            acc = lax.fori_loop(0, k // block_k, lambda i, a: step(i * block_k, a), acc)
+        else:  # unrolled: k is a static weight dimension
+            for k0 in range(0, k, block_k):
+                acc = step(k0, acc)
         pltr.store(o_ref.at[pl.ds(r0, block_m), pl.ds(j * block_n, block_n)],
                    acc.astype(o_ref.dtype), mask=ok)
 
 
 def grouped_matmul(lhs, rhs, group_sizes, *, block_m=GMM_BLOCK_M, block_k=GMM_BLOCK_K,
-                   block_n=GMM_BLOCK_N, num_warps=4, interpret=False):
+                   block_n=GMM_BLOCK_N, num_warps=4, num_stages=2, loop=False,
+                   interpret=False):
     """`lax.ragged_dot` for few rows as a Pallas (Triton) kernel: each (row tile, column
     tile) program multiplies up to block_m rows of one group by that group's [k, block_n]
     weight columns, so only groups with rows are read. k must be a multiple of block_k and
-    n of block_n. Returns [m, n] in lhs.dtype."""
+    n of block_n. loop: walk k in a `fori_loop` (pipelined over num_stages) instead of
+    unrolled. Returns [m, n] in lhs.dtype."""
     m, k = lhs.shape
     g, _, n = rhs.shape
     if k % block_k or n % block_n:
@@ -115,7 +124,7 @@ def grouped_matmul(lhs, rhs, group_sizes, *, block_m=GMM_BLOCK_M, block_k=GMM_BL
                          f"block_n={block_n}")
     grp, row0, rows = tile_plan(group_sizes, m, block_m)
     kernel = functools.partial(_gmm_kernel, block_m=block_m, block_k=block_k,
-                               block_n=block_n, k=k)
+                               block_n=block_n, k=k, loop=loop)
     return pl.pallas_call(
         kernel,
         grid=(grp.shape[0], n // block_n),
@@ -123,7 +132,7 @@ def grouped_matmul(lhs, rhs, group_sizes, *, block_m=GMM_BLOCK_M, block_k=GMM_BL
                   whole(rhs.shape)],
         out_specs=whole((m, n)),
         out_shape=jax.ShapeDtypeStruct((m, n), lhs.dtype),
-        compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=2),
+        compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="vegas_grouped_matmul",
     )(grp, row0, rows, lhs, rhs)

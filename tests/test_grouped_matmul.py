@@ -56,12 +56,14 @@ def test_impl_choice():
         ExecConfig(moe="megablox")
 
 
-@pytest.mark.parametrize("sizes", [(3, 0, 20, 1, 0, 8),  # a group over one row tile
-                                   (0, 0, 0, 0, 0, 32),  # every row in the last group
-                                   (1, 1, 1, 1, 1, 2)])  # more groups than tiles
-def test_triton_grouped_matmul_matches_ragged_dot(sizes):
+@pytest.mark.parametrize("sizes, loop", [((3, 0, 20, 1, 0, 8), False),  # a group over one row tile
+                                         ((3, 0, 20, 1, 0, 8), True),  # k walked in a loop
+                                         ((0, 0, 0, 0, 0, 32), False),  # all in the last group
+                                         ((1, 1, 1, 1, 1, 2), True)])  # more groups than tiles
+def test_triton_grouped_matmul_matches_ragged_dot(sizes, loop):
     """Our few-rows kernel (interpret mode, fp32) against XLA's ragged_dot: rows sorted by
-    group, empty groups, a group longer than a row tile, a last tile past the rows."""
+    group, empty groups, a group longer than a row tile, a last tile past the rows; k
+    unrolled or walked in a fori_loop."""
     from pallas_kernels.grouped_matmul import grouped_matmul, tile_plan
 
     sizes = jnp.array(sizes, jnp.int32)
@@ -70,7 +72,7 @@ def test_triton_grouped_matmul_matches_ragged_dot(sizes):
     a = jax.random.normal(ks[0], (m, k))
     w = jax.random.normal(ks[1], (g, k, n))
     ref = jax.lax.ragged_dot(a, w, sizes, precision=jax.lax.Precision.HIGHEST)
-    out = grouped_matmul(a, w, sizes, interpret=True)
+    out = grouped_matmul(a, w, sizes, loop=loop, interpret=True)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-4)
     grp, row0, rows = tile_plan(sizes, m, 16)
     assert int(rows.sum()) == m  # every row in exactly one tile
@@ -78,10 +80,17 @@ def test_triton_grouped_matmul_matches_ragged_dot(sizes):
 
 
 def test_triton_grouped_matmul_lowers_for_cuda():
+    from pallas_kernels.grouped_matmul import grouped_matmul
+
     txt = lower_cuda(lambda a, b, g: ragged_dot(a, b, g, impl="triton"),
                      sd((32, 2048), jnp.bfloat16), sd((128, 2048, 1536), jnp.bfloat16),
                      sd((128,), jnp.int32))
     assert "xla.gpu.triton" in txt and "chlo.ragged_dot" not in txt
+    txt = lower_cuda(lambda a, b, g: grouped_matmul(a, b, g, block_k=128, loop=True,
+                                                    num_stages=3),
+                     sd((8, 2048), jnp.bfloat16), sd((128, 2048, 1536), jnp.bfloat16),
+                     sd((128,), jnp.int32))
+    assert "xla.gpu.triton" in txt
 
 
 @pytest.mark.parametrize("rows,kernel", [(32, "xla.gpu.triton"), (256, "xla.gpu.triton"),
