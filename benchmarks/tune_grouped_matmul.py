@@ -8,7 +8,9 @@ Issue 13: at B 1 the expert matmuls of Qwen3-30B-A3B ran at 28 % of the read cei
 tokens (each routed to `experts_per_token` distinct random experts) by one layer's
 expert gate/up and down weights; `--calls` calls chained in one jit, on weight sets that
 differ from call to call (so no call reads another's weights from L2), timed on the
-host (median of --reps) and divided by the calls. Every candidate tile is timed at
+host (median of --reps) and divided by the calls. On 2026-12-03 e, with the weight
+sets as slices of one stacked array (separate buffers since), a call took ~3x the
+kernel's in-model time: rank tiles here, confirm them in the model's kernel profile. Every candidate tile is timed at
 --tokens; the three fastest and the default again at each --check-tokens. Reported: us a
 call, the bytes of the experts read, the share of the 4.45 TB/s read ceiling, and the
 largest difference from the default tile's output.
@@ -85,8 +87,11 @@ def main(argv=None):
                    cfg.moe_intermediate_size)
     key = jax.random.PRNGKey(0)
     mats = {"gate_up": (hd, 2 * f), "down": (f, hd)}
-    weights = {name: jax.random.normal(jax.random.fold_in(key, i), (SETS, e, kk, n),
-                                       jnp.bfloat16) * 0.02
+    # separate buffers, not slices of one stacked array (XLA may copy a slice that feeds
+    # a custom call)
+    weights = {name: tuple(jax.random.normal(jax.random.fold_in(key, SETS * i + j),
+                                             (e, kk, n), jnp.bfloat16) * 0.02
+                           for j in range(SETS))
                for i, (name, (kk, n)) in enumerate(mats.items())}
     rows = []
 
