@@ -118,6 +118,9 @@ def build_parser():
                    help="time the draft step once per `sparse_step` split tile at head dims "
                    "above 64, each 'block_k,warps,stages,target_programs', ';' between "
                    "them (after the phases; the jit caches are cleared between them)")
+    p.add_argument("--gmm-tiles", default=None, metavar="SPECS",
+                   help="time the decode and draft steps once per few-rows expert-kernel "
+                   "tile (MoE models), each 'block_k,block_n,warps,stages,loop' (loop 0/1)")
     p.add_argument("--verify-blocks", default=None, metavar="SPECS",
                    help="time the verify (with capture) and the decode step once per "
                    "verify-kernel tile, each 'block_k,warps,stages', ';' between them")
@@ -189,9 +192,10 @@ def main(argv=None) -> int:
               f"{memory_line('it')}")
         out[name] = report(kernel_times(fn), tag + label, per=per, top=args.top,
                            wall=wall_ms(fn) / per)
-    if args.split_wide or args.verify_blocks:
+    if args.split_wide or args.verify_blocks or args.gmm_tiles:
         import dataclasses
 
+        from pallas_kernels import grouped_matmul as gm
         from pallas_kernels import sparse_attention as sa
         from pallas_kernels import verify_attention as va
 
@@ -203,11 +207,17 @@ def main(argv=None) -> int:
             va.VERIFY_BLOCKS = dataclasses.replace(va.VERIFY_BLOCKS, block_k=bk, num_warps=w,
                                                    num_stages=st)
 
+        def gmm_tile(bk, bn, w, st, loop):
+            gm.GMM_TILE = dataclasses.replace(gm.GMM_TILE, block_k=bk, block_n=bn, num_warps=w,
+                                              num_stages=st, loop=bool(loop))
+
         sweeps = [(args.split_wide, "split_wide", split_wide,
                    [("draft step", ph.draft, args.gamma)]),
                   (args.verify_blocks, "verify blocks", verify_blocks,
                    [("verify+capture", lambda: ph.verify(True), 1),
-                    ("decode step", ph.vanilla, 8)])]
+                    ("decode step", ph.vanilla, 8)]),
+                  (args.gmm_tiles, "gmm tile", gmm_tile,
+                   [("decode step", ph.vanilla, 8), ("draft step", ph.draft, args.gamma)])]
         for specs, what, apply, timed in sweeps:
             for spec in (specs.split(";") if specs else []):
                 apply(*(int(v) for v in spec.split(",")))

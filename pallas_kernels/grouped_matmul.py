@@ -20,6 +20,7 @@ Shapes: lhs [m, k] rows sorted by group; rhs [g, k, n]; group_sizes [g] (summing
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -39,8 +40,22 @@ TRITON_MAX_ROWS = 256
 # k 2048 / 768, n 1536 / 2048 fit; gpt-oss's gate/up fits (k 2880, n 5760), its down
 # projection (n 2880, not a multiple of 128) falls back to XLA).
 BLOCK_M, BLOCK_N, BLOCK_K, STEPS = 64, 128, 64, 4
-# `grouped_matmul`'s default tiles
-GMM_BLOCK_M, GMM_BLOCK_N, GMM_BLOCK_K = 16, 64, 64
+
+
+@dataclasses.dataclass(frozen=True)
+class GmmTile:
+    """`grouped_matmul`'s tile: rows, columns and k of a block, Triton's warps and
+    stages, and whether k is walked in a pipelined `fori_loop` (else unrolled)."""
+
+    block_m: int = 16
+    block_n: int = 64
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+    loop: bool = False
+
+
+GMM_TILE = GmmTile()  # read at call time (benchmarks.kernel_profile --gmm-tiles swaps it)
 
 
 def mosaic_fits(lhs, rhs) -> bool:
@@ -51,10 +66,10 @@ def mosaic_fits(lhs, rhs) -> bool:
 
 
 def triton_fits(lhs, rhs) -> bool:
-    """Whether `grouped_matmul` (default tiles) takes these operands."""
+    """Whether `grouped_matmul` (the `GMM_TILE` tile) takes these operands."""
     _, k, n = rhs.shape
-    return (lhs.dtype in (jnp.bfloat16, jnp.float16) and k % GMM_BLOCK_K == 0
-            and n % GMM_BLOCK_N == 0)
+    return (lhs.dtype in (jnp.bfloat16, jnp.float16) and k % GMM_TILE.block_k == 0
+            and n % GMM_TILE.block_n == 0)
 
 
 def hopper() -> bool:
@@ -109,9 +124,10 @@ def _gmm_kernel(grp_ref, row0_ref, rows_ref, x_ref, w_ref, o_ref, *, block_m, bl
                    acc.astype(o_ref.dtype), mask=ok)
 
 
-def grouped_matmul(lhs, rhs, group_sizes, *, block_m=GMM_BLOCK_M, block_k=GMM_BLOCK_K,
-                   block_n=GMM_BLOCK_N, num_warps=4, num_stages=2, loop=False,
-                   interpret=False):
+def grouped_matmul(lhs, rhs, group_sizes, *, block_m=GmmTile.block_m,
+                   block_k=GmmTile.block_k, block_n=GmmTile.block_n,
+                   num_warps=GmmTile.num_warps, num_stages=GmmTile.num_stages,
+                   loop=GmmTile.loop, interpret=False):
     """`lax.ragged_dot` for few rows as a Pallas (Triton) kernel: each (row tile, column
     tile) program multiplies up to block_m rows of one group by that group's [k, block_n]
     weight columns, so only groups with rows are read. k must be a multiple of block_k and
@@ -150,7 +166,7 @@ def ragged_dot(lhs, rhs, group_sizes, precision=None, *, impl: str = "xla"):
         few = lhs.shape[0] <= TRITON_MAX_ROWS and triton_fits(lhs, rhs)
         impl = "triton" if few else "mosaic"
     if impl == "triton" and triton_fits(lhs, rhs):
-        return grouped_matmul(lhs, rhs, group_sizes)
+        return grouped_matmul(lhs, rhs, group_sizes, **dataclasses.asdict(GMM_TILE))
     if impl == "mosaic" and mosaic_fits(lhs, rhs):
         from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
 

@@ -37,3 +37,22 @@ def test_kinds():
     assert kernel_profile.kind_of("memcpy32_post") == "copy"
     assert kernel_profile.kind_of("input_scatter_fusion_2") == "scatter"
     assert kernel_profile.kind_of("loop_add_fusion") == "other"
+
+
+def test_gmm_tile_sweep_times_each_tile(tmp_path, capsys, monkeypatch):
+    """--gmm-tiles: the decode and draft steps once per expert-kernel tile, the tile read
+    when the kernels are traced (the module's GMM_TILE swapped)."""
+    from pallas_kernels import grouped_matmul as gm
+
+    cfg = tiny_config("llama", vocab=256, layers=2)
+    monkeypatch.setitem(config.REGISTRY, cfg.name, cfg)
+    monkeypatch.setattr(gm, "GMM_TILE", gm.GMM_TILE)
+    rc = kernel_profile.main(["--model", cfg.name, "--batch", "1", "--context", "200",
+                              "--gamma", "2", "--attn-impl", "xla", "--phases", "decode",
+                              "--gmm-tiles", "128,64,4,3,1",
+                              "--json", str(tmp_path / "out.json")])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "decode step, gmm tile 128,64,4,3,1" in out and "draft step, gmm tile" in out
+    assert gm.GMM_TILE == gm.GmmTile(block_k=128, block_n=64, num_warps=4, num_stages=3,
+                                     loop=True)
