@@ -55,7 +55,20 @@ class GmmTile:
     loop: bool = False
 
 
-GMM_TILE = GmmTile()  # read at call time (benchmarks.kernel_profile --gmm-tiles swaps it)
+# k in 128-column blocks through a 3-stage pipelined loop: Qwen3-30B-A3B's expert matmuls
+# at B 1 in the model's decode step 1974 + 860 us -> 844 + ~446 us against the unrolled
+# 64-column default (`kernel_profile --gmm-tiles`, H200; BENCHMARKS.md, 2026-12-03 e)
+GMM_TILE = GmmTile(block_k=128, num_stages=3, loop=True)  # read at call time
+
+
+def tile_for(k: int, tile: GmmTile | None = None) -> GmmTile | None:
+    """`tile` (default `GMM_TILE`) with its block_k halved until it divides k (not below
+    16: gpt-oss's k 2880 takes 64), or None if none does."""
+    tile = tile or GMM_TILE
+    bk = tile.block_k
+    while bk >= 16 and k % bk:
+        bk //= 2
+    return dataclasses.replace(tile, block_k=bk) if bk >= 16 else None
 
 
 def mosaic_fits(lhs, rhs) -> bool:
@@ -66,9 +79,9 @@ def mosaic_fits(lhs, rhs) -> bool:
 
 
 def triton_fits(lhs, rhs) -> bool:
-    """Whether `grouped_matmul` (the `GMM_TILE` tile) takes these operands."""
+    """Whether `grouped_matmul` (a `tile_for` tile) takes these operands."""
     _, k, n = rhs.shape
-    return (lhs.dtype in (jnp.bfloat16, jnp.float16) and k % GMM_TILE.block_k == 0
+    return (lhs.dtype in (jnp.bfloat16, jnp.float16) and tile_for(k) is not None
             and n % GMM_TILE.block_n == 0)
 
 
@@ -132,7 +145,8 @@ def grouped_matmul(lhs, rhs, group_sizes, *, block_m=GmmTile.block_m,
     tile) program multiplies up to block_m rows of one group by that group's [k, block_n]
     weight columns, so only groups with rows are read. k must be a multiple of block_k and
     n of block_n. loop: walk k in a `fori_loop` (pipelined over num_stages) instead of
-    unrolled. Returns [m, n] in lhs.dtype."""
+    unrolled. The defaults are `GmmTile()`'s; `ragged_dot` passes `GMM_TILE` (`tile_for`).
+    Returns [m, n] in lhs.dtype."""
     m, k = lhs.shape
     g, _, n = rhs.shape
     if k % block_k or n % block_n:
@@ -166,7 +180,8 @@ def ragged_dot(lhs, rhs, group_sizes, precision=None, *, impl: str = "xla"):
         few = lhs.shape[0] <= TRITON_MAX_ROWS and triton_fits(lhs, rhs)
         impl = "triton" if few else "mosaic"
     if impl == "triton" and triton_fits(lhs, rhs):
-        return grouped_matmul(lhs, rhs, group_sizes, **dataclasses.asdict(GMM_TILE))
+        return grouped_matmul(lhs, rhs, group_sizes,
+                              **dataclasses.asdict(tile_for(lhs.shape[1])))
     if impl == "mosaic" and mosaic_fits(lhs, rhs):
         from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
 

@@ -79,6 +79,15 @@ def test_triton_grouped_matmul_matches_ragged_dot(sizes, loop):
     assert grp.shape[0] == min(g, m) + -(-m // 16) - 1
 
 
+def test_tile_for_halves_block_k_until_it_divides_k():
+    from pallas_kernels.grouped_matmul import GMM_TILE, tile_for
+
+    assert GMM_TILE.loop and tile_for(2048).block_k == 128 and tile_for(768).block_k == 128
+    assert tile_for(2880).block_k == 64  # gpt-oss's hidden size
+    assert tile_for(2880).num_stages == GMM_TILE.num_stages
+    assert tile_for(40) is None
+
+
 def test_triton_grouped_matmul_lowers_for_cuda():
     from pallas_kernels.grouped_matmul import grouped_matmul
 
@@ -91,6 +100,11 @@ def test_triton_grouped_matmul_lowers_for_cuda():
                      sd((8, 2048), jnp.bfloat16), sd((128, 2048, 1536), jnp.bfloat16),
                      sd((128,), jnp.int32))
     assert "xla.gpu.triton" in txt
+    # gpt-oss's gate/up (k 2880): the default tile with 64-column k blocks, still Triton
+    txt = lower_cuda(lambda a, b, g: ragged_dot(a, b, g, impl="triton"),
+                     sd((8, 2880), jnp.bfloat16), sd((32, 2880, 5760), jnp.bfloat16),
+                     sd((32,), jnp.int32))
+    assert "xla.gpu.triton" in txt and "chlo.ragged_dot" not in txt
 
 
 @pytest.mark.parametrize("rows,kernel", [(32, "xla.gpu.triton"), (256, "xla.gpu.triton"),

@@ -49,10 +49,10 @@ def test_gmm_tile_sweep_times_each_tile(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(gm, "GMM_TILE", gm.GMM_TILE)
     rc = kernel_profile.main(["--model", cfg.name, "--batch", "1", "--context", "200",
                               "--gamma", "2", "--attn-impl", "xla", "--phases", "decode",
-                              "--gmm-tiles", "128,64,4,3,1",
+                              "--gmm-tiles", "64,128,8,2,0",
                               "--json", str(tmp_path / "out.json")])
     assert rc == 0
     out = capsys.readouterr().out
-    assert "decode step, gmm tile 128,64,4,3,1" in out and "draft step, gmm tile" in out
-    assert gm.GMM_TILE == gm.GmmTile(block_k=128, block_n=64, num_warps=4, num_stages=3,
-                                     loop=True)
+    assert "decode step, gmm tile 64,128,8,2,0" in out and "draft step, gmm tile" in out
+    assert gm.GMM_TILE == gm.GmmTile(block_k=64, block_n=128, num_warps=8, num_stages=2,
+                                     loop=False)
