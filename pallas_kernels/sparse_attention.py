@@ -461,9 +461,9 @@ def scalar(x):
 # at Qwen3-8B B 4); here one program per (sequence, KV head, d-block) loads all J chunks
 # at once (padded to a power of two, masked) and writes only the g real rows. The chunks
 # are loaded together, not walked: a serial chain of J dependent loads would cost more.
-# Same arithmetic as `combine_splits` (the padded chunks add exact zeros). H200 (ncu): 3.2
-# us at Qwen3-8B B 4, 2.9 at SmolLM2 B 1, launch-bound: d-blocks 16 .. 128 and 1 .. 8
-# warps all came within ~0.5 us (but 1 warp on 128 columns: 7 us).
+# Same arithmetic as `combine_splits` (the padded chunks add exact zeros). H200: 2.4 us a
+# layer in Qwen3-8B B 4's draft step (kernel profile); alone (ncu) 3.2 us, launch-bound:
+# d-blocks 16 .. 128 and 1 .. 8 warps all came within ~0.5 us (1 warp on 128 columns: 7).
 
 _COMBINE_ELEMS = 16384  # Jp * gp * db fp32 values of o held by one program
 
