@@ -148,53 +148,9 @@ def test_accepted_rows_average_only_the_kept_tokens():
                 assert got[l][j] != _top(scores[l, j].mean(0), n[j], int(count[j]))
 
 
-def test_shared_budget_goes_to_the_sequences_the_batch_waits_for():
-    """share: the budget follows each sequence's predicted rounds to go (tokens left /
-    tokens per round); a finished sequence's budget goes to the live ones, each at most cap
-    times the uniform budget; the entries read in total never exceed the uniform budget's,
-    and each sequence's list is the top `count` of its scores."""
-    from vegas_jax.runtime import Progress
-    L, b = 2, 4
-    scores = jax.random.uniform(jax.random.PRNGKey(3), (L, b, MAX_LEN))
-    n = jnp.full((b,), 900)
-    share = sel.VerifyGuided("pair", decay=0.5, share=2.0)
-    assert share.name == "vegas-share"
-    state = share.init(SPEC, _Cache(), scores, n, None)
-    assert state.tau.shape == (b,)
-    uniform = int(sel.budget(SPEC, n, MAX_LEN)[0])
-    assert np.all(np.asarray(state.count) == uniform)  # no progress yet: uniform
-    # sequences 0, 1 accept everything, 2 nothing; 3 has finished
-    prog = Progress(n_gen=jnp.array([40, 40, 10, 64]), limit=jnp.full((b,), 64),
-                    done=jnp.array([False, False, False, True]))
-    n_acc = jnp.array([4, 4, 0, 0])
-    got = share.update(SPEC, state, scores, _Cache(), n, n_acc, None, prog)
-    count = np.asarray(got.count)
-    assert np.all(count == count[:1])  # one budget a sequence, the same in every layer
-    c = count[0]
-    assert c[2] == 2 * uniform  # the cap
-    assert c[2] > uniform > c[0] and c[0] == c[1] and c[3] <= 1
-    assert c[:3].sum() <= b * uniform
-    assert got.idx.shape[-1] == int(np.ceil(2.0 * sel.max_budget(SPEC, MAX_LEN)))
-    sets = _sets(got)
-    for l in range(L):
-        for j in range(3):
-            assert sets[l][j] == _top(jnp.maximum(scores[l, j], 0.5 * scores[l, j]), n[j],
-                                      int(c[j]))
-    # the weights alone: live sequences in proportion to their rounds to go, clipped
-    w = np.asarray(sel.shared_weights(jnp.array([2.0, 2.0, 2.0, 2.0]), Progress(
-        n_gen=jnp.array([0, 0, 0, 0]), limit=jnp.array([40, 40, 40, 40]),
-        done=jnp.zeros(4, bool)), 2.0))
-    np.testing.assert_allclose(w, 1.0)
-    w = np.asarray(sel.shared_weights(jnp.array([1.0, 4.0, 4.0, 4.0]), Progress(
-        n_gen=jnp.zeros(4, jnp.int32), limit=jnp.full(4, 40), done=jnp.zeros(4, bool)), 2.0))
-    assert w[0] == pytest.approx(2.0) and w.sum() <= 4 + 1e-5 and np.all(w[1:] < 1)
-
-
 @pytest.mark.parametrize("kw", [dict(decay=1.0), dict(decay=-0.1), dict(pool=0.5),
                                 dict(pool=2.0, heads=True), dict(rows="accepted", heads=True),
-                                dict(entropy=0.5, pool=2.0), dict(entropy=0.5, heads=True),
-                                dict(share=0.5), dict(share=2.0, heads=True),
-                                dict(share=2.0, pool=2.0)])
+                                dict(entropy=0.5, pool=2.0), dict(entropy=0.5, heads=True)])
 def test_bad_policy_settings(kw):
     with pytest.raises(ValueError):
         sel.VerifyGuided(**{"rows": "pair", **kw})
@@ -206,7 +162,7 @@ def tiny():
 
 
 @pytest.mark.parametrize("method", ["vegas-accepted", "vegas-paper", "vegas-pool",
-                                    "vegas-entropy", "vegas-share"])
+                                    "vegas-entropy"])
 def test_greedy_equals_vanilla(tiny, method):
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 100, size=n).tolist() for n in (37, 650)]

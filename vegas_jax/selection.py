@@ -125,36 +125,6 @@ def select_pooled(scores, r_end, spec, max_len: int, cap: float, xc=None):
     return idx.astype(jnp.int32), count
 
 
-def shared_weights(tau, progress, cap: float):
-    """Per-sequence budget multipliers [b] that spend the batch's draft bytes where the
-    batch waits (issue 15: a fixed-length batch runs until its slowest sequence is done,
-    and at B 64 that tail separated 2.08x from the 1.89x measured). A sequence's predicted
-    rounds to go = its tokens left / its tokens per round (tau [b], a running mean); its
-    weight = that over the live sequences' mean, clipped to [1 / cap, cap]. Finished
-    sequences read nothing (the draft skips them): their share goes to the live ones, each
-    at most `cap` times the uniform budget. The weights sum to at most b: never more bytes a
-    draft step than every sequence at the uniform budget. progress: `runtime.Progress`."""
-    live = ~progress.done
-    left = jnp.where(live, (progress.limit - progress.n_gen).astype(jnp.float32), 0.0)
-    rounds = left / jnp.maximum(tau, 1.0)  # [b]
-    n_live = jnp.maximum(live.sum(), 1)
-    mean = rounds.sum() / n_live
-    w = jnp.where(live, jnp.clip(rounds / jnp.maximum(mean, 1e-6), 1.0 / cap, cap), 0.0)
-    return jnp.minimum(w * (w.shape[0] / jnp.maximum(w.sum(), 1e-6)), cap)
-
-
-def select_shared(scores, r_end, spec, max_len: int, weights, cap: float, xc=None):
-    """`select_topk` with sequence b's budget scaled by weights [b] (`shared_weights`): at
-    least one entry, at most `cap` times the uniform budget. scores [L, b, s]; returns idx
-    [L, b, K_cap] and count [L, b]."""
-    scores, per_seq, k_cap = _split_budget(scores, r_end, spec, max_len, cap)
-    count = jnp.floor(per_seq * weights).astype(jnp.int32)  # [b]
-    count = jnp.clip(count, 1, jnp.minimum(k_cap, r_end + 1))
-    count = jnp.broadcast_to(count[None], scores.shape[:2])  # [L, b]
-    idx = select_topk_fast(scores, k_cap, counts=count, threshold=_threshold(xc))
-    return idx.astype(jnp.int32), count
-
-
 def select_by_entropy(scores, r_end, spec, max_len: int, alpha: float, cap: float, xc=None):
     """Per-layer budgets from each layer's attention entropy (issue 16): layer l of a
     sequence gets a share of the L * budget entries proportional to perplexity_l ** alpha,
@@ -206,10 +176,9 @@ class Method:
         """The draft step's attention at query positions pos [b]; cache.lengths = n."""
         raise NotImplementedError
 
-    def update(self, spec, sel, scores, cache, n, n_acc, xc, progress=None) -> Any:
+    def update(self, spec, sel, scores, cache, n, n_acc, xc) -> Any:
         """The next round's selection state after a verify of the round that started at
-        n [b] and accepted n_acc [b] drafts (cache: the verified cache, lengths still n;
-        progress: the `runtime.Progress` after this round's tokens, or None)."""
+        n [b] and accepted n_acc [b] drafts (cache: the verified cache, lengths still n)."""
         return sel
 
     def after_plain(self, spec, sel, n) -> Any:
@@ -224,7 +193,6 @@ class TopK:
     count: jax.Array  # [L, b] ([L, b, k])
     end: jax.Array  # [b] first position after the ranked range
     acc: jax.Array | None = None  # [L, b, (k,) s] carried scores (decay > 0), else None
-    tau: jax.Array | None = None  # [b] running mean of tokens per round (share > 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -263,9 +231,6 @@ class VerifyGuided(Method):
     pool: float = 0.0
     entropy: float = 0.0
     prefill_rows: int = 1
-    share: float = 0.0
-    # tokens per round: the running mean's weight of the latest round (share > 0)
-    SHARE_RATE: ClassVar[float] = 0.25
     NAMES: ClassVar[dict] = {"pair": "vegas", "all": "vegas-all", "last": "last",
                              "accepted": "vegas-accepted"}
 
@@ -282,9 +247,6 @@ class VerifyGuided(Method):
             raise ValueError(f"pool must be 0 (off) or >= 1 without heads, got {self.pool}")
         if self.entropy and (self.heads or self.pool):
             raise ValueError("entropy splits one budget a layer: not with heads or pool")
-        if self.share and (self.share < 1.0 or self.heads or self.pool or self.entropy):
-            raise ValueError("share must be 0 (off) or >= 1, one budget a sequence (not with "
-                             f"heads, pool or entropy), got {self.share}")
         if int(self.prefill_rows) != self.prefill_rows or self.prefill_rows < 1:
             raise ValueError(f"prefill_rows must be a whole number >= 1, got {self.prefill_rows}")
 
@@ -298,8 +260,7 @@ class VerifyGuided(Method):
         return (self.NAMES[self.rows] + ("-heads" if self.heads else "") + window
                 + ("-decay" if self.decay else "") + ("-pool" if self.pool else "")
                 + ("-entropy" if self.entropy else "")
-                + ("-prefill" if self.prefill_rows > 1 else "")
-                + ("-share" if self.share else ""))
+                + ("-prefill" if self.prefill_rows > 1 else ""))
 
     def check(self, spec):
         if self.entropy and spec.score != "weight":
@@ -324,12 +285,8 @@ class VerifyGuided(Method):
             return Capture((0, spec.gamma), "mean", spec.score)
         return Capture(every, "mean" if self.rows == "all" else "rows", spec.score)
 
-    def _select(self, spec, scores, r_end, max_len, xc, weights=None):
+    def _select(self, spec, scores, r_end, max_len, xc):
         scores = self._guaranteed(scores, r_end)
-        if self.share:
-            if weights is None:  # the first selection, or no progress known: uniform
-                weights = jnp.ones(r_end.shape, jnp.float32)
-            return select_shared(scores, r_end, spec, max_len, weights, self.share, xc)
         if self.pool:
             return select_pooled(scores, r_end, spec, max_len, self.pool, xc)
         if self.entropy:
@@ -358,14 +315,13 @@ class VerifyGuided(Method):
         acc = self._carry(scores, None, lens - 1, spec.score)
         idx, count = self._select(spec, scores if acc is None else acc, lens - 1,
                                   cache.max_len, xc)
-        tau = jnp.full(lens.shape, spec.gamma + 1.0) if self.share else None
-        return TopK(idx, count, lens, acc, tau)
+        return TopK(idx, count, lens, acc)
 
     def draft_plan(self, spec, sel, cache, pos):
         return AttnPlan(mode="sparse", tail_len=self.tail_len(spec, cache.max_len),
                         idx=sel.idx, count=sel.count, tail_start=sel.end)
 
-    def update(self, spec, sel, scores, cache, n, n_acc, xc, progress=None):
+    def update(self, spec, sel, scores, cache, n, n_acc, xc):
         if self.rows == "last":  # scores [L, b, r, s]: keep the last accepted token's row
             scores = jnp.take_along_axis(scores, n_acc[None, :, None, None], axis=2)[:, :, 0]
         elif self.rows == "accepted":  # the mean of rows 0..n_acc
@@ -373,16 +329,8 @@ class VerifyGuided(Method):
             w = kept / (n_acc[:, None] + 1.0)
             scores = jnp.einsum("lbrs,br->lbs", scores, w)
         acc = self._carry(scores, sel.acc if self.decay else None, n, spec.score)
-        tau, weights = None, None
-        if self.share:
-            live = ~progress.done if progress is not None else jnp.ones(n.shape, bool)
-            r = self.SHARE_RATE
-            tau = jnp.where(live, (1 - r) * sel.tau + r * (n_acc + 1.0), sel.tau)
-            if progress is not None:
-                weights = shared_weights(tau, progress, self.share)
-        idx, count = self._select(spec, scores if acc is None else acc, n, cache.max_len, xc,
-                                  weights)
-        return TopK(idx, count, n + 1, acc, tau)
+        idx, count = self._select(spec, scores if acc is None else acc, n, cache.max_len, xc)
+        return TopK(idx, count, n + 1, acc)
 
     def after_plain(self, spec, sel, n):
         # The tail holds tail_len = 2 gamma + 1 entries from `end` on; plain steps moved the
@@ -493,7 +441,7 @@ class Quest(Method):
                         picker=QuestPicker(self.page_size, max_pages), tail_start=ready,
                         picker_inputs=(sel.page_min, sel.page_max, -(-tokens // self.page_size)))
 
-    def update(self, spec, sel, scores, cache, n, n_acc, xc, progress=None):
+    def update(self, spec, sel, scores, cache, n, n_acc, xc):
         """Recompute the pages a round can complete, from n's page on: O(gamma) per round."""
         p = self.page_size
         width = (-(-(spec.gamma + 2) // p) + 1) * p
@@ -559,8 +507,8 @@ class Auto(Method):
         plan = self.base.draft_plan(spec, sel, cache, pos)
         return plan.replace(tail_len=max(plan.tail_len, self.tail_len(spec, cache.max_len)))
 
-    def update(self, spec, sel, scores, cache, n, n_acc, xc, progress=None):
-        return self.base.update(spec, sel, scores, cache, n, n_acc, xc, progress)
+    def update(self, spec, sel, scores, cache, n, n_acc, xc):
+        return self.base.update(spec, sel, scores, cache, n, n_acc, xc)
 
     def after_plain(self, spec, sel, n):
         return self.base.after_plain(spec, sel, n)
@@ -594,8 +542,6 @@ METHODS: dict[str, Method] = {
     "vegas-entropy": VerifyGuided("pair", entropy=0.5),
     # measured no better than vegas (CPU, 1K-2K; worse on 2K chat): BENCHMARKS 2026-12-03 b
     "vegas-prefill": VerifyGuided("pair", decay=0.5, prefill_rows=8),
-    # vegas with the batch's draft bytes moved to the sequences it waits for (issue 15)
-    "vegas-share": VerifyGuided("pair", decay=0.5, share=2.0),
     "last": VerifyGuided("last"),
     "stream": Stream(),
     "quest": Quest(),

@@ -166,7 +166,7 @@ def spec_round(params, cfg: ModelConfig, xc: ExecConfig, state: SpecState, spec:
     emitted = jnp.where(slot < n_acc[:, None], padded,
                         jnp.where(slot == n_acc[:, None], nxt[:, None], -1))
     emitted, progress = state.progress.emit(jnp.where(active[:, None], emitted, -1))
-    sel = spec.method.update(spec, state.sel, scores, cache, n, n_acc, xc, progress)
+    sel = spec.method.update(spec, state.sel, scores, cache, n, n_acc, xc)
     new = SpecState(cache=cache.replace(lengths=jnp.where(active, n + n_acc + 1, n)),
                     x0=jnp.where(active, nxt, state.x0), key=key, sel=sel, progress=progress)
     return new, emitted, jnp.copy(progress.done), n_acc, active
