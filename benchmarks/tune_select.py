@@ -65,6 +65,12 @@ def main(argv=None):
         out.append(("select pallas (default tile)", timed(sel_p, x, counts), ok))
     except Exception as e:
         print(f"select pallas failed: {str(e)[:300]}")
+    sel_f = jax.jit(lambda x, c: select_topk_fast(x, k, counts=c, threshold="fused"))
+    try:
+        ok = bool((sel_f(x, counts) == i_ref).all())
+        out.append(("select fused (one kernel)", timed(sel_f, x, counts), ok))
+    except Exception as e:
+        print(f"select fused failed: {str(e)[:300]}")
     print(f"[L, b, s] = [{a.layers}, {a.batch}, {s}], k = {k}")
     for name, us, ok in out:
         print(f"{name:34s} {us:9.1f} us   equal to xla: {ok}")

@@ -19,11 +19,15 @@ from jax import lax
 from pallas_kernels.verify_attention import VerifyBlocks, verify_attention
 
 CANDIDATES = [
-    ("default (waves)", VerifyBlocks()),
-    ("no waves", VerifyBlocks(waves=False)),
-    ("t1056", VerifyBlocks(target_programs=1056, waves=False)),
-    ("default again", VerifyBlocks()),
-    ("no waves again", VerifyBlocks(waves=False)),
+    ("own capture dot", VerifyBlocks(cap_from="own")),
+    ("capture from main", VerifyBlocks(cap_from="main")),
+    ("main, block_k 64", VerifyBlocks(cap_from="main", block_k=64)),
+    ("main, 8 warps", VerifyBlocks(cap_from="main", num_warps=8)),
+    ("main, 4 stages", VerifyBlocks(cap_from="main", num_stages=4)),
+    ("main, 2 stages", VerifyBlocks(cap_from="main", num_stages=2)),
+    ("main, no waves", VerifyBlocks(cap_from="main", waves=False)),
+    ("own again", VerifyBlocks(cap_from="own")),
+    ("capture from main again", VerifyBlocks(cap_from="main")),
 ]
 
 

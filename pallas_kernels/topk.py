@@ -119,22 +119,25 @@ def _signed_keys(x):
     return i ^ ((i >> 31) & jnp.int32(0x7FFFFFFF))
 
 
-def _kth_kernel(x_ref, k_ref, o_ref, *, n_rows, s_len, rb, chunk, radix_bits):
-    # x_ref [R, s] fp32 (whole); k_ref [rb] int32; o_ref [rb] int32 (unsigned bits)
-    r0 = pl.program_id(0) * rb
+def _row_keys(x_ref, r0, rb, chunk, n_rows, s_len):
+    """keys(c): the [rb, chunk] signed keys of rows r0.. in column chunk c; padding and
+    absent rows at the bottom of the order (INT_MIN)."""
     rows = r0 + jnp.arange(rb, dtype=jnp.int32)
-    want = k_ref[...]  # [rb]
-    nchunks = -(-s_len // chunk)
 
-    def keys(c):  # [rb, chunk]; padding and absent rows at the bottom of the order
+    def keys(c):
         cols = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
         ok = (rows < n_rows)[:, None] & (cols < s_len)[None, :]
         x = pltr.load(x_ref.at[pl.ds(r0, rb), pl.ds(c * chunk, chunk)], mask=ok, other=0.0)
         return jnp.where(ok, _signed_keys(x), jnp.int32(_INT_MIN))
 
-    resident = keys(0) if nchunks == 1 else None
+    return keys
+
+
+def _kth_passes(keys, want, nchunks, radix_bits, resident=None):
+    """The k-th largest key of each row (unsigned bits in int32, [rb]) by 32 / radix_bits
+    count passes over the rows: held in registers (`resident`) or re-read chunk by chunk."""
     ncand = (1 << radix_bits) - 1
-    prefix = jnp.zeros((rb,), jnp.int32)
+    prefix = jnp.zeros(want.shape, jnp.int32)
     for p in range(32 // radix_bits):
         shift = 32 - radix_bits * (p + 1)
         thr = [(prefix + jnp.int32(_wrap32(j << shift))) ^ jnp.int32(_INT_MIN)
@@ -148,10 +151,45 @@ def _kth_kernel(x_ref, k_ref, o_ref, *, n_rows, s_len, rb, chunk, radix_bits):
         else:
             cnt = lax.fori_loop(0, nchunks, lambda c, acc: [a + n for a, n in
                                                           zip(acc, count(keys(c)))],
-                                [jnp.zeros((rb,), jnp.int32)] * ncand)
+                                [jnp.zeros(want.shape, jnp.int32)] * ncand)
         nj = sum((c >= want).astype(jnp.int32) for c in cnt)  # counts fall as j grows
         prefix = prefix + lax.shift_left(nj, jnp.int32(shift))
-    o_ref[...] = prefix
+    return prefix
+
+
+def _kth_kernel(x_ref, k_ref, o_ref, *, n_rows, s_len, rb, chunk, radix_bits):
+    # x_ref [R, s] fp32 (whole); k_ref [rb] int32; o_ref [rb] int32 (unsigned bits)
+    keys = _row_keys(x_ref, pl.program_id(0) * rb, rb, chunk, n_rows, s_len)
+    nchunks = -(-s_len // chunk)
+    resident = keys(0) if nchunks == 1 else None
+    o_ref[...] = _kth_passes(keys, k_ref[...], nchunks, radix_bits, resident)
+
+
+def _select_kernel(x_ref, k_ref, o_ref, *, n_rows, s_len, rb, chunk, radix_bits, kmax):
+    """Threshold and compaction of rows held in registers (one chunk a row): the scores
+    are read once, and the selected positions scattered to their slots.
+    x_ref [R, s] fp32 (whole); k_ref [rb] int32 (1 <= want <= kmax); o_ref [R * kmax +
+    rb * chunk] int32 (whole): row r's want[r] positions in slots r * kmax + 0 .., by
+    position; the slots after them, and the spare ones, are left unwritten."""
+    r0 = pl.program_id(0) * rb
+    key = _row_keys(x_ref, r0, rb, chunk, n_rows, s_len)(0)  # [rb, chunk]
+    want = k_ref[...]  # [rb]
+    t = _kth_passes(None, want, 1, radix_bits, key) ^ jnp.int32(_INT_MIN)  # signed form
+    gt = key > t[:, None]
+    eq = key == t[:, None]
+    # ties at the threshold: the first `need` of them by position
+    need = want - jnp.sum(gt.astype(jnp.int32), axis=1)  # [rb], >= 1
+    c_gt = jnp.cumsum(gt.astype(jnp.int32), axis=1)  # inclusive, [rb, chunk]
+    c_eq = jnp.cumsum(eq.astype(jnp.int32), axis=1)
+    sel = gt | (eq & (c_eq <= need[:, None]))
+    rows = r0 + jnp.arange(rb, dtype=jnp.int32)
+    slot = c_gt + jnp.minimum(c_eq, need[:, None]) - 1  # [rb, chunk], distinct where sel
+    pos = jnp.broadcast_to(jnp.arange(chunk, dtype=jnp.int32)[None, :], (rb, chunk))
+    keep = sel & (rows < n_rows)[:, None]
+    # entries not kept aim at a spare slot of their own past the rows (never written on
+    # the GPU, where the mask holds; interpret mode writes masked lanes' old values back)
+    spare = n_rows * kmax + jnp.arange(rb, dtype=jnp.int32)[:, None] * chunk + pos
+    pltr.store(o_ref.at[jnp.where(keep, rows[:, None] * kmax + slot, spare)], pos, mask=keep)
 
 
 def kth_largest_key_pallas(x, k, *, radix_bits=2, tile=8192, num_warps=8, interpret=False):
@@ -179,6 +217,34 @@ def kth_largest_key_pallas(x, k, *, radix_bits=2, tile=8192, num_warps=8, interp
     return lax.bitcast_convert_type(out[:r], jnp.uint32)
 
 
+def select_topk_pallas(x, k, kmax, *, radix_bits=2, tile=8192, num_warps=8, interpret=False):
+    """Threshold and compaction in one kernel: x [R, s] fp32 scores (s <= one resident
+    chunk, `PALLAS_MAX_KEYS`), k [R] int32 (1 <= k <= kmax) -> [R, kmax] int32: row r's
+    k[r] largest positions by position (ties by lower position), position 0 after them."""
+    r, s = x.shape
+    if s > PALLAS_MAX_KEYS:
+        raise ValueError(f"rows of at most {PALLAS_MAX_KEYS} keys, got {s}")
+    chunk = pow2_at_least(s)
+    rb = min(max(1, max(tile, chunk) // chunk), pow2_at_least(r, lo=1))
+    nprog = -(-r // rb)
+    want = jnp.pad(jnp.broadcast_to(k, (r,)).astype(jnp.int32), (0, nprog * rb - r),
+                   constant_values=1)
+    out = pl.pallas_call(
+        functools.partial(_select_kernel, n_rows=r, s_len=s, rb=rb, chunk=chunk,
+                          radix_bits=radix_bits, kmax=kmax),
+        grid=(nprog,),
+        in_specs=[whole(x.shape), pl.BlockSpec((rb,), lambda i: (i,))],
+        out_specs=whole((r * kmax + rb * chunk,)),
+        out_shape=jax.ShapeDtypeStruct((r * kmax + rb * chunk,), jnp.int32),
+        compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name="vegas_select",
+    )(x.astype(jnp.float32), want)
+    # slots past each row's count were never written
+    out = out[: r * kmax].reshape(r, kmax)
+    return jnp.where(jnp.arange(kmax)[None, :] < want[:r, None], out, 0)
+
+
 def _block_prefix(v, block):
     """Inclusive prefix sums of small non-negative integers v [R, s] (float, exact in bf16,
     block-sum < 2**24) along the rows, blocks of `block` through a triangular matmul."""
@@ -204,7 +270,9 @@ def select_topk_fast(scores, k, *, counts=None, radix_bits=2, count_impl="sep", 
     thresholds) with sibling reductions beat 4 bits and the broadcast forms.
     threshold: the k-th largest key by XLA count passes ("xla") or by one Pallas kernel
     that reads the scores once ("pallas", `kth_largest_key_pallas`; GPU or interpret;
-    rows of at most PALLAS_MAX_KEYS, XLA's passes beyond)."""
+    rows of at most PALLAS_MAX_KEYS, XLA's passes beyond), or the threshold and the
+    compaction in one kernel ("fused", `select_topk_pallas`; the same rows, "pallas"
+    beyond)."""
     *lead, s = scores.shape
     k = int(k)
     if not 1 <= k <= s:
@@ -213,8 +281,13 @@ def select_topk_fast(scores, k, *, counts=None, radix_bits=2, count_impl="sep", 
     r = x.shape[0]
     want = (jnp.full((r,), k, jnp.int32) if counts is None
             else jnp.broadcast_to(counts, tuple(lead)).reshape(r).astype(jnp.int32))
-    if threshold not in ("xla", "pallas"):
-        raise ValueError(f"threshold must be 'xla' or 'pallas', got {threshold!r}")
+    if threshold not in ("xla", "pallas", "fused"):
+        raise ValueError(f"threshold must be 'xla', 'pallas' or 'fused', got {threshold!r}")
+    if threshold == "fused" and s <= PALLAS_MAX_KEYS:
+        return select_topk_pallas(x, want, k, radix_bits=radix_bits, interpret=interpret,
+                                  tile=max(8192, pow2_at_least(s))).reshape(*lead, k)
+    if threshold == "fused":
+        threshold = "pallas"
     key = sortable_keys(x)
     if threshold == "pallas" and s <= PALLAS_MAX_KEYS:
         t = kth_largest_key_pallas(x, want, radix_bits=radix_bits, interpret=interpret,

@@ -143,6 +143,9 @@ class VerifyBlocks:
     max_rows: largest t * g handled as one query block; row_block: rows per program in
     prefill; target_programs: grid size aimed at when choosing the number of key splits;
     min_split: shortest key split; cap_dtype: dtype of the captured logits (score="weight");
+    cap_from: where those logits come from, "own" (a small dot of the capture rows alone,
+    its [crow, block_k] tile stored) or "main" (the main [rows, block_k] product, stored
+    with rows >= n_cap masked: no second dot);
     waves: choose the split count by `wave_splits` (H200, SmolLM2 B 64 verify with capture:
     165 -> 145 us a layer; `benchmarks.tune_verify`, BENCHMARKS.md 2026-12-01 c)."""
 
@@ -154,6 +157,7 @@ class VerifyBlocks:
     target_programs: int = 528
     min_split: int = 512
     cap_dtype: Any = jnp.float16
+    cap_from: str = "main"
     waves: bool = True  # more splits (up to 1.5x) where they fill the grid's last wave
 
 
@@ -173,6 +177,8 @@ def _verify_kernel(layer_ref, *refs, block_k, split_len, s_len, scale, rows, kh,
         (token-major: row = u * g + head) into a [b * kh * n_cap (+ crow spare), s_pad]
         buffer at rows (b * kh + h) * n_cap + r: one contiguous [crow, block_k] window per
         program and key block, rows >= n_cap masked;
+      ("main", n_cap, rows): as "logits", but the stored tile is the main product's
+        [rows, block_k] (rows >= n_cap masked; `rows` spare rows), with no capture inputs;
       ("sum", n_cap, crow, weights): reduce in-kernel over the capture rows (raw logits,
         masked to each row's causal range) into len(weights) vectors per program, vector i
         weighting capture row r by weights[i][r]; buffer [b * kh * n_out, s_pad].
@@ -184,7 +190,9 @@ def _verify_kernel(layer_ref, *refs, block_k, split_len, s_len, scale, rows, kh,
     # or [b * k * n_out, s_pad] ("sum")
     win_ref, refs = (refs[0], refs[1:]) if windowed else (None, refs)
     q_ref, rowpos_ref, k_ref, v_ref, *refs = refs
-    if cap is not None:
+    if cap is not None and cap[0] == "main":
+        o_ref, m_ref, l_ref, cap_ref = refs
+    elif cap is not None:
         qc_ref, rpc_ref, o_ref, m_ref, l_ref, cap_ref = refs
     else:
         o_ref, m_ref, l_ref = refs
@@ -209,7 +217,15 @@ def _verify_kernel(layer_ref, *refs, block_k, split_len, s_len, scale, rows, kh,
         start = jnp.maximum(start, first // block_k * block_k)
     nblk = pl.cdiv(jnp.maximum(end - start, 0), block_k)
     kr = jnp.arange(block_k, dtype=jnp.int32)
-    if cap is not None:
+    if cap is not None and cap[0] == "main":
+        n_cap = cap[1]
+        rr = jnp.arange(rows, dtype=jnp.int32)
+
+        def capture_main(qk, k0):
+            val = jnp.clip(qk, -_LOGIT_CLIP, _LOGIT_CLIP).astype(cap_ref.dtype)
+            pltr.store(cap_ref.at[pl.ds((bi * kh + h) * n_cap, rows), pl.ds(k0, block_k)],
+                       val, mask=(rr < n_cap)[:, None])
+    elif cap is not None:
         qc = qc_ref[...]  # [crow, d]
         rpc = rpc_ref[...]  # [crow]
         n_cap, crow = cap[1], cap[2]
@@ -243,9 +259,11 @@ def _verify_kernel(layer_ref, *refs, block_k, split_len, s_len, scale, rows, kh,
         inb = kidx < s_len  # the last block may run past the cache
         k = pltr.load(k_ref.at[layer, bi, h, pl.ds(k0, block_k), :], mask=inb[:, None],
                       other=0.0)  # [block_k, d]
-        if cap is not None:  # the capture rows live in query block 0 only
+        if cap is not None and cap[0] != "main":  # the capture rows: query block 0 only
             pl.when(qb == 0)(lambda: capture(k, k0, kidx))
         qk = dot(q, k, trans_b=True) * scale  # [rows, block_k] fp32, log2 units
+        if cap is not None and cap[0] == "main":
+            pl.when(qb == 0)(lambda: capture_main(qk, k0))
         vis = kidx[None, :] <= rp[:, None]
         if windowed:
             vis &= kidx[None, :] > lo[:, None]
@@ -309,7 +327,11 @@ def _verify_call(layer, qr, rowpos, k_cache, v_cache, *, rows, n_splits, split_l
         whole(v_cache.shape),
     ]
     args = [*scalars, qr, rowpos, k_cache, v_cache]
-    if cap is not None:
+    if cap is not None and cap[0] == "main":
+        shape = (b * kh * cap[1] + cap[2], s_pad)  # `rows` spare rows, as below
+        out_shape.append(jax.ShapeDtypeStruct(shape, blocks.cap_dtype))
+        out_specs.append(whole(shape))
+    elif cap is not None:
         crow = cap[2]
         in_specs += [pl.BlockSpec((None, None, crow, d), lambda bi, h, qb, j: (bi, h, 0, 0)),
                      pl.BlockSpec((None, crow), lambda bi, h, qb, j: (bi, 0))]
@@ -583,7 +605,9 @@ def verify_attention(
         # qc [b, k, crow, d], rpc [b, crow]
         qc = jnp.pad(qr[:, :, :n_cap], ((0, 0), (0, 0), (0, crow - n_cap), (0, 0)))
         rpc = jnp.pad(rp[:, :n_cap], ((0, 0), (0, crow - n_cap)), constant_values=-1)
-        if score == "weight":  # needs the final LSE: store logits, finish in XLA
+        if score == "weight" and blocks.cap_from == "main":
+            cap, qc, rpc = ("main", n_cap, rows), None, None
+        elif score == "weight":  # needs the final LSE: store logits, finish in XLA
             cap = ("logits", n_cap, crow)
         else:  # linear in the logits: reduce over heads (and rows) in the kernel
             if capture in ("mean", "heads"):
@@ -620,7 +644,7 @@ def verify_attention(
     # each capture row sees keys after lo_c: keys before the window were masked or, in
     # blocks before every row's window, never written
     lo_c = None if window is None else jnp.where(window > 0, pos_c - window, -1)  # [b, nu]
-    if cap[0] == "logits":
+    if cap[0] in ("logits", "main"):
         # weights exp2(logit - lse) of the capture rows, reduced to the scores
         w = _capture_weights(capture, kh, g, uniq, cap_list, mult)
         lse_c = lse[:, :, :n_cap].reshape(b, kh * n_cap)

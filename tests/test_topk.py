@@ -130,3 +130,25 @@ def test_long_rows_keep_the_xla_threshold():
     _check_topk(x, select_topk_fast(x, 40, threshold="pallas"), 40)
     with pytest.raises(ValueError, match="interpret"):
         select_topk_fast(x[:, :100], 40, threshold="pallas")
+
+
+@pytest.mark.parametrize("r,s,kk", [(5, 700, 60), (9, 300, 17), (3, 33, 33)])
+def test_fused_select_kernel_matches_the_xla_compaction(r, s, kk):
+    """Threshold and compaction in one kernel (interpret mode): the same index lists as
+    the XLA compaction, per-row counts, -inf, ties and -0.0 included, zeros after each
+    row's count."""
+    x = jax.random.normal(jax.random.PRNGKey(s), (r, s))
+    x = x.at[0, :20].set(-jnp.inf).at[1, 10:40].set(x[1, 5]).at[2, 3].set(-0.0)
+    counts = (jnp.arange(r) * 7) % kk + 1
+    got = select_topk_fast(x, kk, counts=counts, threshold="fused", interpret=True)
+    np.testing.assert_array_equal(np.asarray(got),
+                                  np.asarray(select_topk_fast(x, kk, counts=counts)))
+
+
+def test_fused_select_kernel_lowers_for_cuda():
+    from tests.cuda import lower_cuda
+
+    sd = jax.ShapeDtypeStruct
+    text = lower_cuda(lambda x, c: select_topk_fast(x, 556, counts=c, threshold="fused"),
+                      sd((30, 64, 7936), jnp.float32), sd((30, 64), jnp.int32))
+    assert "vegas_select" in text

@@ -74,6 +74,20 @@ def test_verify_matches_reference(case):
     _check(out, ref, dtype)
 
 
+@pytest.mark.parametrize("case", [c for c in CASES if c[9] != "none" and c[11] == "weight"],
+                         ids=lambda c: f"b{c[1]}k{c[2]}g{c[3]}{c[9]}")
+def test_capture_from_the_main_product(case):
+    """cap_from="main" stores the main [rows, block_k] product's capture rows (no second
+    dot): the same scores as the reference."""
+    L, b, kh, g, d, s, gamma, dtype, base, capture, rows, score = case
+    q, kc, vc, q_pos = _inputs(len(base) + s, L, b, kh, g, d, s, gamma + 1, dtype, base)
+    kw = dict(capture=capture, capture_rows=rows, score=score)
+    blocks = VerifyBlocks(block_k=16, min_split=32, target_programs=4 * b * kh, cap_from="main")
+    out = verify_attention(q, kc, vc, jnp.int32(L - 1), q_pos, interpret=True, blocks=blocks,
+                           **kw)
+    _check(out, verify_attention_reference(q, kc, vc, jnp.int32(L - 1), q_pos, **kw), dtype)
+
+
 # gpt-oss: a sliding window (narrower than the cache, so whole key blocks and splits fall
 # before it) and sinks, with every capture reduction and both scores; decode, verify and
 # a prefill of many query blocks.

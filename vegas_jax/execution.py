@@ -16,7 +16,7 @@ ATTN = ("auto", "pallas", "xla")
 GEMM = ("auto", "triton", "cublas")
 LAYERS = ("auto", "scan", "unrolled")
 DRAFT = ("auto", "fused", "split", "merged")
-SELECT = ("auto", "pallas", "xla")
+SELECT = ("auto", "fused", "pallas", "xla")
 PREFILL = ("auto", "pallas", "cudnn")
 MOE = ("auto", "xla", "mosaic", "triton", "pallas")
 
@@ -44,8 +44,9 @@ class ExecConfig:
       load (`model.merge_draft`: the MLP's gate/up rides on the input projection and on
       the output projection through wo @ w_gate_up; dense models, one device; more weight
       memory: for small models whose draft matmuls are launch bound).
-    select: the selection's top-k threshold: one "pallas" kernel that reads the scores
-      once, or XLA count passes ("xla", one read of the scores a pass).
+    select: the selection's top-k: threshold and compaction in one "fused" kernel, the
+      threshold alone in one "pallas" kernel that reads the scores once (the compaction in
+      XLA), or XLA count passes ("xla", one read of the scores a pass).
     prefill: with the Pallas kernels, a prompt's attention from its first token: the
       "pallas" kernel, or "cudnn" flash attention (~2x faster at long prompts; bf16/fp16
       only, fp32 runs the kernel). Slices of a prompt that start later, and the verify,
@@ -110,7 +111,8 @@ class ExecConfig:
             # the merged weights serve the fused Pallas draft only: elsewhere, none made
             draft=("fused" if self.draft == "auto" or (self.draft == "merged" and attn != "pallas")
                    else self.draft),
-            select=self.select if self.select != "auto" else attn,
+            select=self.select if self.select != "auto" else (
+                "fused" if attn == "pallas" else attn),
             prefill=self.prefill if self.prefill != "auto" else ("cudnn" if gpu else "pallas"),
             moe=moe,
             tp=self.tp,
@@ -181,8 +183,9 @@ def add_exec_args(p) -> None:
                    help="fused drafts of dense models carry their batch padded to a "
                    "multiple of N rows, so that cuBLAS pads no matmul input (1: off)")
     p.add_argument("--select-impl", default="auto", choices=SELECT,
-                   help="the selection's top-k threshold: one Pallas kernel reading the "
-                   "scores once, or XLA count passes; auto: pallas where the attention is")
+                   help="the selection's top-k: threshold and compaction in one Pallas "
+                   "kernel (fused), the threshold alone in one (pallas), or XLA count "
+                   "passes (xla); auto: fused where the attention is pallas")
     p.add_argument("--prefill-impl", default="auto", choices=PREFILL,
                    help="Pallas path only: a prompt's attention from its first token through "
                    "the Pallas kernel or cuDNN flash attention (bf16/fp16; ~2x faster at "

@@ -63,10 +63,11 @@ def budget(spec, n, max_len: int):
 
 
 def _threshold(xc) -> str:
-    """The top-k threshold's backend (`ExecConfig.select`; "auto" follows the attention)."""
+    """The top-k's backend (`ExecConfig.select`; "auto": the fused kernel where the
+    attention runs on Pallas)."""
     if xc is None:
         return "xla"
-    return xc.select if xc.select != "auto" else ("pallas" if xc.attn == "pallas" else "xla")
+    return xc.select if xc.select != "auto" else ("fused" if xc.attn == "pallas" else "xla")
 
 
 def select_topk(scores, r_end, spec, max_len: int, xc=None):
