@@ -59,18 +59,14 @@ def main(argv=None):
                 out.append((f"threshold pallas tile {tile} w{warps}", timed(f, rows, want), ok))
             except Exception as e:  # a plan that does not compile: report, go on
                 print(f"tile {tile} w{warps} failed: {str(e)[:200]}")
-    sel_p = jax.jit(lambda x, c: select_topk_fast(x, k, counts=c, threshold="pallas"))
-    try:
-        ok = bool((sel_p(x, counts) == i_ref).all())
-        out.append(("select pallas (default tile)", timed(sel_p, x, counts), ok))
-    except Exception as e:
-        print(f"select pallas failed: {str(e)[:300]}")
-    sel_f = jax.jit(lambda x, c: select_topk_fast(x, k, counts=c, threshold="fused"))
-    try:
-        ok = bool((sel_f(x, counts) == i_ref).all())
-        out.append(("select fused (one kernel)", timed(sel_f, x, counts), ok))
-    except Exception as e:
-        print(f"select fused failed: {str(e)[:300]}")
+    for impl, name in (("pallas", "select pallas (default tile)"),
+                       ("fused", "select fused (one kernel)")):
+        sel = jax.jit(lambda x, c, impl=impl: select_topk_fast(x, k, counts=c, threshold=impl))
+        try:
+            ok = bool((sel(x, counts) == i_ref).all())
+            out.append((name, timed(sel, x, counts), ok))
+        except Exception as e:  # a kernel that does not compile: report, go on
+            print(f"select {impl} failed: {str(e)[:300]}")
     print(f"[L, b, s] = [{a.layers}, {a.batch}, {s}], k = {k}")
     for name, us, ok in out:
         print(f"{name:34s} {us:9.1f} us   equal to xla: {ok}")
