@@ -145,7 +145,8 @@ class VerifyBlocks:
     min_split: shortest key split; cap_dtype: dtype of the captured logits (score="weight");
     cap_from: where those logits come from, "own" (a small dot of the capture rows alone,
     its [crow, block_k] tile stored) or "main" (the main [rows, block_k] product, stored
-    with rows >= n_cap masked: no second dot);
+    with rows >= n_cap masked: no second dot; H200, SmolLM2 B 128 verify with capture 245
+    -> 236 us a layer, level at Qwen3-8B heads; BENCHMARKS.md 2026-12-04 b);
     waves: choose the split count by `wave_splits` (H200, SmolLM2 B 64 verify with capture:
     165 -> 145 us a layer; `benchmarks.tune_verify`, BENCHMARKS.md 2026-12-01 c)."""
 
@@ -159,6 +160,10 @@ class VerifyBlocks:
     cap_dtype: Any = jnp.float16
     cap_from: str = "main"
     waves: bool = True  # more splits (up to 1.5x) where they fill the grid's last wave
+
+    def __post_init__(self):
+        if self.cap_from not in ("own", "main"):
+            raise ValueError(f"cap_from must be 'own' or 'main', got {self.cap_from!r}")
 
 
 VERIFY_BLOCKS = VerifyBlocks()  # read at call time (benchmarks.kernel_profile swaps it)
