@@ -604,15 +604,15 @@ def verify_attention(
         raise NotImplementedError("capture rows must fit one query block")
     nu = len(uniq)
     cap = qc = rpc = None
-    if n_cap:
+    if n_cap and score == "weight" and blocks.cap_from == "main":
+        cap = ("main", n_cap, rows)  # the main tile's rows: no capture inputs
+    elif n_cap:
         # a power-of-two row count for the capture dot
         crow = pow2_at_least(n_cap)
         # qc [b, k, crow, d], rpc [b, crow]
         qc = jnp.pad(qr[:, :, :n_cap], ((0, 0), (0, 0), (0, crow - n_cap), (0, 0)))
         rpc = jnp.pad(rp[:, :n_cap], ((0, 0), (0, crow - n_cap)), constant_values=-1)
-        if score == "weight" and blocks.cap_from == "main":
-            cap, qc, rpc = ("main", n_cap, rows), None, None
-        elif score == "weight":  # needs the final LSE: store logits, finish in XLA
+        if score == "weight":  # needs the final LSE: store logits, finish in XLA
             cap = ("logits", n_cap, crow)
         else:  # linear in the logits: reduce over heads (and rows) in the kernel
             if capture in ("mean", "heads"):

@@ -29,6 +29,14 @@ MOE = ("auto", "xla", "mosaic", "triton", "pallas")
 # GPU runs in 13 ms (sampled rounds were host bound), against ~1.4 ms unrolled.
 
 
+def select_impl(select: str, attn: str) -> str:
+    """The selection's backend for `select` under attention backend `attn`: "auto" is the
+    fused kernel where the attention runs on Pallas, XLA's count passes elsewhere."""
+    if select != "auto":
+        return select
+    return "fused" if attn == "pallas" else "xla"
+
+
 @dataclasses.dataclass(frozen=True)
 class ExecConfig:
     """attn: attention backend ("pallas" kernels or the "xla" reference path).
@@ -111,8 +119,7 @@ class ExecConfig:
             # the merged weights serve the fused Pallas draft only: elsewhere, none made
             draft=("fused" if self.draft == "auto" or (self.draft == "merged" and attn != "pallas")
                    else self.draft),
-            select=self.select if self.select != "auto" else (
-                "fused" if attn == "pallas" else attn),
+            select=select_impl(self.select, attn),
             prefill=self.prefill if self.prefill != "auto" else ("cudnn" if gpu else "pallas"),
             moe=moe,
             tp=self.tp,

@@ -37,6 +37,7 @@ from jax.scipy.special import entr
 
 from pallas_kernels.topk import kth_largest_key, select_topk_fast, sortable_keys
 from vegas_jax.attention import AttnPlan, Capture
+from vegas_jax.execution import select_impl
 
 # ceil() of a product that should be a whole number can land one above it in floating
 # point (0.07 * 10000 = 700.0000000000001): forgive that much.
@@ -65,9 +66,7 @@ def budget(spec, n, max_len: int):
 def _threshold(xc) -> str:
     """The top-k's backend (`ExecConfig.select`; "auto": the fused kernel where the
     attention runs on Pallas)."""
-    if xc is None:
-        return "xla"
-    return xc.select if xc.select != "auto" else ("fused" if xc.attn == "pallas" else "xla")
+    return "xla" if xc is None else select_impl(xc.select, xc.attn)
 
 
 def select_topk(scores, r_end, spec, max_len: int, xc=None):
