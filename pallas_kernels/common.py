@@ -3,6 +3,7 @@ the split-K combine, and the mask constant."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -33,8 +34,6 @@ SMEM_BYTES = 227 * 1024  # shared memory one SM gives its blocks (Hopper)
 def sm_count() -> int:
     """Streaming multiprocessors of the default device (132 on an H200; also the figure
     used where JAX reports none, e.g. the CPU in interpret mode)."""
-    import jax
-
     return int(getattr(jax.devices()[0], "core_count", 0) or 132)
 
 
@@ -93,3 +92,21 @@ def with_sinks(out, lse, sinks, *, base2: bool = False):
     new = jnp.logaddexp2(lse, s) if base2 else jnp.logaddexp(lse, s)
     scale = jnp.exp2(lse - new) if base2 else jnp.exp(lse - new)
     return out.astype(jnp.float32) * scale[..., None], new
+
+
+def _untouched(o_ref):
+    del o_ref  # writes nothing: the output keeps whatever its memory held
+
+
+def empty(shape, dtype):
+    """A float array of `shape` whose contents are undefined, for a buffer that kernels
+    fill piecewise, where `jnp.zeros` would cost a memset of the whole of it (1.1 GB a
+    SmolLM2 round at B 128): on the GPU one empty kernel; elsewhere (kernels in interpret
+    mode) NaN, so that a read of an entry never written shows."""
+    if jax.default_backend() != "gpu":
+        return jnp.full(shape, jnp.nan, dtype)
+    return pl.pallas_call(
+        _untouched, grid=(1,), out_specs=whole(shape),
+        out_shape=jax.ShapeDtypeStruct(tuple(shape), dtype),
+        compiler_params=pltr.CompilerParams(num_warps=1, num_stages=1),
+        name="vegas_empty")()

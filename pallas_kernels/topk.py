@@ -165,24 +165,26 @@ def _kth_kernel(x_ref, k_ref, o_ref, *, n_rows, s_len, rb, chunk, radix_bits):
     o_ref[...] = _kth_passes(keys, k_ref[...], nchunks, radix_bits, resident)
 
 
-def _select_kernel(x_ref, k_ref, o_ref, *, n_rows, s_len, rb, chunk, radix_bits, kmax):
-    """Threshold and compaction of rows held in registers (one chunk a row): the scores
-    are read once, and the selected positions scattered to their slots.
-    x_ref [R, s] fp32 (whole); k_ref [rb] int32 (1 <= want <= kmax); o_ref [R * kmax +
-    rb * chunk] int32 (whole): row r's want[r] positions in slots r * kmax + 0 .., by
-    position; the slots after them, and the spare ones, are left unwritten."""
-    r0 = pl.program_id(0) * rb
-    key = _row_keys(x_ref, r0, rb, chunk, n_rows, s_len)(0)  # [rb, chunk]
-    want = k_ref[...]  # [rb]
+def select_resident(key, want, rows, n_rows, kmax, o_ref, radix_bits):
+    """Threshold and compaction of rows held in registers: key [rb, chunk] signed keys
+    (`_signed_keys`; INT_MIN for padding), want [rb] (1 <= want <= kmax), rows [rb] their
+    global row numbers (>= n_rows: absent). Row r's want[r] largest positions (ties by
+    lower position) are scattered to o_ref slots r * kmax + 0 .., by position; o_ref
+    [n_rows * kmax + rb * chunk] int32 (whole), the slots after them, and the spare ones,
+    left unwritten."""
+    rb, chunk = key.shape
     t = _kth_passes(None, want, 1, radix_bits, key) ^ jnp.int32(_INT_MIN)  # signed form
     gt = key > t[:, None]
     eq = key == t[:, None]
     # ties at the threshold: the first `need` of them by position
     need = want - jnp.sum(gt.astype(jnp.int32), axis=1)  # [rb], >= 1
-    c_gt = jnp.cumsum(gt.astype(jnp.int32), axis=1)  # inclusive, [rb, chunk]
-    c_eq = jnp.cumsum(eq.astype(jnp.int32), axis=1)
+    # both inclusive prefix counts in one scan: gt in the low 16 bits, eq above them
+    # (a row holds at most PALLAS_MAX_KEYS < 2**16 keys)
+    both = jnp.cumsum(gt.astype(jnp.int32) + lax.shift_left(eq.astype(jnp.int32),
+                                                            jnp.int32(16)), axis=1)
+    c_gt = both & jnp.int32(0xFFFF)  # [rb, chunk]
+    c_eq = lax.shift_right_logical(both, jnp.int32(16))
     sel = gt | (eq & (c_eq <= need[:, None]))
-    rows = r0 + jnp.arange(rb, dtype=jnp.int32)
     slot = c_gt + jnp.minimum(c_eq, need[:, None]) - 1  # [rb, chunk], distinct where sel
     pos = jnp.broadcast_to(jnp.arange(chunk, dtype=jnp.int32)[None, :], (rb, chunk))
     keep = sel & (rows < n_rows)[:, None]
@@ -190,6 +192,17 @@ def _select_kernel(x_ref, k_ref, o_ref, *, n_rows, s_len, rb, chunk, radix_bits,
     # the GPU, where the mask holds; interpret mode writes masked lanes' old values back)
     spare = n_rows * kmax + jnp.arange(rb, dtype=jnp.int32)[:, None] * chunk + pos
     pltr.store(o_ref.at[jnp.where(keep, rows[:, None] * kmax + slot, spare)], pos, mask=keep)
+
+
+def _select_kernel(x_ref, k_ref, o_ref, *, n_rows, s_len, rb, chunk, radix_bits, kmax):
+    """Threshold and compaction of rows held in registers (one chunk a row): the scores
+    are read once, and the selected positions scattered to their slots.
+    x_ref [R, s] fp32 (whole); k_ref [rb] int32 (1 <= want <= kmax); o_ref [R * kmax +
+    rb * chunk] int32 (whole), as `select_resident`."""
+    r0 = pl.program_id(0) * rb
+    key = _row_keys(x_ref, r0, rb, chunk, n_rows, s_len)(0)  # [rb, chunk]
+    select_resident(key, k_ref[...], r0 + jnp.arange(rb, dtype=jnp.int32), n_rows, kmax,
+                    o_ref, radix_bits)
 
 
 def kth_largest_key_pallas(x, k, *, radix_bits=2, tile=8192, num_warps=8, interpret=False):

@@ -30,8 +30,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
 from pallas_kernels.common import (
-    NEG, SMEM_BYTES, combine_splits, dot, key_splits, pow2_at_least, sm_count, wave_splits,
-    whole, with_sinks,
+    NEG, SMEM_BYTES, combine_splits, dot, empty, key_splits, pow2_at_least, sm_count,
+    wave_splits, whole, with_sinks,
 )
 
 CAPTURE_MODES = ("none", "mean", "rows", "heads")
@@ -170,7 +170,7 @@ VERIFY_BLOCKS = VerifyBlocks()  # read at call time (benchmarks.kernel_profile s
 
 
 def _verify_kernel(layer_ref, *refs, block_k, split_len, s_len, scale, rows, kh, normalize,
-                   cap, windowed=False):
+                   cap, windowed=False, stacked=False):
     """Flash-decoding over one key split.
 
     windowed (static): a [1] window input follows layer_ref; each row then sees keys
@@ -188,13 +188,18 @@ def _verify_kernel(layer_ref, *refs, block_k, split_len, s_len, scale, rows, kh,
         masked to each row's causal range) into len(weights) vectors per program, vector i
         weighting capture row r by weights[i][r]; buffer [b * kh * n_out, s_pad].
     The capture rows get their own small product (a [crow, d] x [d, block_k] dot), so the
-    store covers only them instead of the whole accumulator tile."""
+    store covers only them instead of the whole accumulator tile.
+    stacked (static; "logits" / "main"): the buffer holds every layer's rows, this
+    layer's from row layer * b * kh * n_cap on (`capture_buffer`), and comes in as an
+    input aliased to the output (its ref, before o_ref, is not used)."""
     # layer_ref [1]; (win_ref [1]); q_ref [rows, d]; rowpos_ref [rows] (-1 = padding row);
     # k_ref, v_ref [L, b, k, s, d]; with cap: qc_ref [crow, d], rpc_ref [crow];
     # o_ref [rows, d], m_ref, l_ref [rows]; cap_ref [b * k * n_cap + crow, s_pad] ("logits")
     # or [b * k * n_out, s_pad] ("sum")
     win_ref, refs = (refs[0], refs[1:]) if windowed else (None, refs)
     q_ref, rowpos_ref, k_ref, v_ref, *refs = refs
+    if stacked:
+        refs = refs[:-5] + refs[-4:]  # the aliased buffer's input ref (before o, m, l, cap)
     if cap is not None and cap[0] == "main":
         o_ref, m_ref, l_ref, cap_ref = refs
     elif cap is not None:
@@ -206,6 +211,10 @@ def _verify_kernel(layer_ref, *refs, block_k, split_len, s_len, scale, rows, kh,
     qb = pl.program_id(2)
     j = pl.program_id(3)
     layer = layer_ref[0]
+    if cap is not None:  # the first buffer row of this program's capture rows
+        cap_row0 = (bi * kh + h) * cap[1]
+        if stacked:
+            cap_row0 += layer * pl.num_programs(0) * kh * cap[1]
     q = q_ref[...]  # [rows, d]
     rp = rowpos_ref[...]  # [rows]
     d = q.shape[-1]
@@ -228,7 +237,7 @@ def _verify_kernel(layer_ref, *refs, block_k, split_len, s_len, scale, rows, kh,
 
         def capture_main(qk, k0):
             val = jnp.clip(qk, -_LOGIT_CLIP, _LOGIT_CLIP).astype(cap_ref.dtype)
-            pltr.store(cap_ref.at[pl.ds((bi * kh + h) * n_cap, rows), pl.ds(k0, block_k)],
+            pltr.store(cap_ref.at[pl.ds(cap_row0, rows), pl.ds(k0, block_k)],
                        val, mask=(rr < n_cap)[:, None])
     elif cap is not None:
         qc = qc_ref[...]  # [crow, d]
@@ -240,7 +249,7 @@ def _verify_kernel(layer_ref, *refs, block_k, split_len, s_len, scale, rows, kh,
         qk = dot(qc, k, trans_b=True) * scale  # [crow, block_k] fp32
         if cap[0] == "logits":
             val = jnp.clip(qk, -_LOGIT_CLIP, _LOGIT_CLIP).astype(cap_ref.dtype)
-            pltr.store(cap_ref.at[pl.ds((bi * kh + h) * n_cap, crow), pl.ds(k0, block_k)],
+            pltr.store(cap_ref.at[pl.ds(cap_row0, crow), pl.ds(k0, block_k)],
                        val, mask=(rc < n_cap)[:, None])
         else:
             seen = kidx[None, :] <= rpc[:, None]
@@ -295,10 +304,12 @@ def _verify_kernel(layer_ref, *refs, block_k, split_len, s_len, scale, rows, kh,
 
 
 def _verify_call(layer, qr, rowpos, k_cache, v_cache, *, rows, n_splits, split_len, blocks,
-                 interpret, out_dtype, cap=None, qc=None, rpc=None, window=None):
+                 interpret, out_dtype, cap=None, qc=None, rpc=None, window=None,
+                 cap_into=None):
     """qr [b, kh, nqb*rows, d]; rowpos [b, nqb*rows]; with cap (see `_verify_kernel`) also
     qc [b, kh, crow, d] (the capture rows) and rpc [b, crow] (their positions, -1 = pad);
-    window: an int32 scalar (0: none) or None (no window input).
+    window: an int32 scalar (0: none) or None (no window input). cap_into: a stacked
+    capture buffer (`capture_buffer`) the logits go into at `layer`, returned updated.
     blocks: resolved (block_k, num_warps, num_stages set). Returns o [b, kh, J, R, d],
     m, l [b, kh, J, R] (log2 units), cap buffer | None."""
     b, kh, rtot, d = qr.shape
@@ -310,7 +321,7 @@ def _verify_call(layer, qr, rowpos, k_cache, v_cache, *, rows, n_splits, split_l
     kernel = functools.partial(
         _verify_kernel, block_k=block_k, split_len=split_len, s_len=s_len,
         scale=d**-0.5 * _LOG2E, rows=rows, kh=kh, normalize=normalize, cap=cap,
-        windowed=window is not None)
+        windowed=window is not None, stacked=cap_into is not None)
     out_shape = [  # o [b, kh, J, R, d], m, l [b, kh, J, R]
         jax.ShapeDtypeStruct((b, kh, n_splits, rtot, d), out_dtype if normalize else jnp.float32),
         jax.ShapeDtypeStruct((b, kh, n_splits, rtot), jnp.float32),
@@ -349,6 +360,17 @@ def _verify_call(layer, qr, rowpos, k_cache, v_cache, *, rows, n_splits, split_l
             shape, dt = (b * kh * len(cap[3]), s_pad), jnp.float32
         out_shape.append(jax.ShapeDtypeStruct(shape, dt))
         out_specs.append(whole(shape))
+    aliases = {}
+    if cap_into is not None:
+        if cap[0] == "sum" or cap_into.shape[1] < s_pad or cap[2] > CAPTURE_SPARE:
+            raise ValueError(f"a stacked capture buffer takes logits of {s_pad} keys from "
+                             f"at most {CAPTURE_SPARE} rows a program, got {cap_into.shape} "
+                             f"for capture {cap[:3]}")
+        out_shape[-1] = jax.ShapeDtypeStruct(cap_into.shape, cap_into.dtype)
+        out_specs[-1] = whole(cap_into.shape)
+        in_specs.append(whole(cap_into.shape))
+        args.append(cap_into)
+        aliases = {len(args) - 1: 3}
     res = pl.pallas_call(
         kernel,
         grid=(b, kh, nqb, n_splits),
@@ -357,6 +379,7 @@ def _verify_call(layer, qr, rowpos, k_cache, v_cache, *, rows, n_splits, split_l
         out_shape=out_shape,
         compiler_params=pltr.CompilerParams(num_warps=blocks.num_warps,
                                             num_stages=blocks.num_stages),
+        input_output_aliases=aliases,
         interpret=interpret,
         name="vegas_verify_attention",
     )(*args)
@@ -380,6 +403,18 @@ def _capture_weights(capture, kh, g, uniq, cap_list, mult):
     else:
         w = (u[None, :] == np.array([uniq.index(c) for c in cap_list])[:, None]) / (kh * g)
     return w.astype(np.float32)
+
+
+# spare rows after a stacked buffer's last: the last program's (masked) store window of
+# up to `rows` rows stays inside it
+CAPTURE_SPARE = 128
+
+
+def capture_buffer(layers, b, kh, n_cap, s, dtype=jnp.float16):
+    """The stacked buffer `verify_attention(..., capture_into=)` fills, layer by layer:
+    [layers * b * kh * n_cap + CAPTURE_SPARE, s rounded up to 128] (n_cap = capture rows a
+    KV head: unique capture tokens x group size), contents undefined until written."""
+    return empty((layers * b * kh * n_cap + CAPTURE_SPARE, pl.cdiv(s, 128) * 128), dtype)
 
 
 def capture_scores_reference(cbuf, lse, rowpos, w, s, rowlo=None):
@@ -530,7 +565,7 @@ def _prefill_cudnn(q, k_cache, v_cache, layer):
 def verify_attention(
     q, k_cache, v_cache, layer, q_pos, *, capture="none", capture_rows=(0,), score="weight",
     interpret=False, blocks: VerifyBlocks | None = None, prefill_impl="pallas",
-    epilogue="pallas", window=None, sinks=None,
+    epilogue="pallas", window=None, sinks=None, capture_into=None,
 ):
     """Pallas (Triton) op with exactly `verify_attention_reference`'s semantics.
 
@@ -540,8 +575,16 @@ def verify_attention(
     XLA ("xla", `capture_scores_reference`). window: the kernel skips the key blocks
     before its rows' windows and masks inside them; sinks join the LSE after the combine
     (`with_sinks`), before the captured weights are taken from it.
+    capture_into: a stacked buffer (`capture_buffer`; capture "mean" of softmax weights,
+    no window): the kernel stores the capture rows' logits into it at `layer` and the
+    call returns (out, (buffer, offset [b, kh * n_cap])) instead of scores, offset = each
+    row's LSE - log2(its weight in the mean), for `capture_select.select_from_capture`.
     """
     _check_modes(capture, score)
+    if capture_into is not None and (capture != "mean" or score != "weight"
+                                     or window is not None):
+        raise ValueError("capture_into takes the mean of softmax weights, without a window "
+                         f"(capture {capture!r}, score {score!r}, window {window})")
     blocks = blocks or VERIFY_BLOCKS
     b, t, kh, g, d = q.shape
     s = k_cache.shape[3]
@@ -625,7 +668,7 @@ def verify_attention(
     o, m, l, cbuf = _verify_call(
         layer, qr, rp, k_cache, v_cache, rows=rows, n_splits=n_splits, split_len=split_len,
         blocks=resolved, interpret=interpret, out_dtype=q.dtype, cap=cap, qc=qc, rpc=rpc,
-        window=window)
+        window=window, cap_into=capture_into)
 
     if n_splits == 1:  # the kernel normalised already; m holds the LSE
         out = o[:, :, 0]  # [b, k, R, d]
@@ -649,6 +692,10 @@ def verify_attention(
     # each capture row sees keys after lo_c: keys before the window were masked or, in
     # blocks before every row's window, never written
     lo_c = None if window is None else jnp.where(window > 0, pos_c - window, -1)  # [b, nu]
+    if capture_into is not None:
+        w = _capture_weights(capture, kh, g, uniq, cap_list, mult)[0]  # [kh * n_cap]
+        offset = lse[:, :, :n_cap].reshape(b, kh * n_cap) - jnp.log2(jnp.asarray(w))
+        return out, (cbuf, offset)
     if cap[0] in ("logits", "main"):
         # weights exp2(logit - lse) of the capture rows, reduced to the scores
         w = _capture_weights(capture, kh, g, uniq, cap_list, mult)

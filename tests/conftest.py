@@ -97,6 +97,7 @@ def pallas_interpret(monkeypatch):
     """Every Pallas kernel the model's Pallas path calls, in interpret mode (CPU)."""
     import functools
 
+    from pallas_kernels.capture_select import select_from_capture
     from pallas_kernels.sparse_attention import sparse_attention, sparse_step
     from pallas_kernels.topk import select_topk_fast
     from pallas_kernels.verify_attention import verify_attention
@@ -110,6 +111,8 @@ def pallas_interpret(monkeypatch):
     monkeypatch.setattr(attn_mod, "sparse_step", functools.partial(sparse_step, interpret=True))
     monkeypatch.setattr(sel_mod, "select_topk_fast",
                         functools.partial(select_topk_fast, interpret=True))
+    monkeypatch.setattr(sel_mod, "select_from_capture",
+                        functools.partial(select_from_capture, interpret=True))
 
 
 @pytest.fixture(scope="session")

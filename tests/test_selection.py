@@ -10,16 +10,17 @@ oldest positions) must fail the same comparison."""
 
 from __future__ import annotations
 
+import dataclasses
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from vegas_jax.attention import Capture
+from vegas_jax.attention import Capture, RawCapture
 from vegas_jax.loading import load_model
 from vegas_jax.runtime import exec_config, prefill_prompts, start
 from vegas_jax.sampling import SamplingParams
-from vegas_jax.speculative import SpecConfig, verify_phase
+from vegas_jax.speculative import SpecConfig, round_capture, verify_phase
 
 GAMMA = 3
 LENS = (150, 97)
@@ -48,9 +49,10 @@ def _same_top(got, scores, count, tol=1e-6):
     return all(abs(scores[i] - cut) <= tol * max(abs(cut), 1e-30) for i in got ^ want)
 
 
-@pytest.mark.parametrize("impl", ["xla", "pallas"])
+@pytest.mark.parametrize("impl", ["xla", "pallas", "raw"])
 def test_vegas_selection_is_the_top_of_verify_rows_0_and_gamma(tiny_hf, impl, request):
-    if impl == "pallas":  # the Pallas kernels on the CPU, in interpret mode
+    """raw: the verify's logits handed to the selection's own kernel (`Capture.raw`)."""
+    if impl != "xla":  # the Pallas kernels on the CPU, in interpret mode
         request.getfixturevalue("pallas_interpret")
     ckpt, hf_model = tiny_hf("llama-gqa")
     model = load_model(checkpoint=ckpt, dtype=jnp.float32)
@@ -60,14 +62,18 @@ def test_vegas_selection_is_the_top_of_verify_rows_0_and_gamma(tiny_hf, impl, re
     prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for n in LENS]
     tails = [rng.integers(3, cfg.vocab_size, GAMMA + 1).tolist() for _ in LENS]  # x0, drafts
 
-    ids, cache, xc = start(model, prompts, 8, SamplingParams(), 2 * GAMMA + 2, impl)
-    assert exec_config(model, impl).attn == impl
+    attn = "xla" if impl == "xla" else "pallas"
+    ids, cache, xc = start(model, prompts, 8, SamplingParams(), 2 * GAMMA + 2, attn)
+    assert exec_config(model, attn).attn == attn
+    if impl != "xla":  # scores from the verify's epilogue, or the logits themselves
+        xc = dataclasses.replace(xc, select="capture" if impl == "raw" else "fused")
     _, cache, _ = prefill_prompts(model.params, cfg, xc, ids, cache, None)
     x0 = jnp.asarray([t[0] for t in tails], jnp.int32)
     drafts = jnp.asarray([t[1:] for t in tails], jnp.int32)
-    _, vcache, scores = verify_phase(model.params, cfg, xc, cache, x0, drafts,
-                                     spec.method.capture(spec))
-    assert spec.method.capture(spec) == Capture((0, GAMMA), "mean", "weight")
+    cap = round_capture(spec, cfg, xc, cache.max_len)
+    assert cap == Capture((0, GAMMA), "mean", "weight", raw=impl == "raw")
+    _, vcache, scores = verify_phase(model.params, cfg, xc, cache, x0, drafts, cap)
+    assert isinstance(scores, RawCapture) == (impl == "raw")
     n = cache.lengths
     sel = spec.method.update(spec, None, scores, vcache, n, jnp.zeros_like(n), xc)
     idx, count = np.asarray(sel.idx), np.asarray(sel.count)

@@ -256,3 +256,48 @@ def test_capture_scores_kernel_matches_reference(capture, rows, reduce, cols):
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-6)
     assert np.abs(np.asarray(ref[1, :, 14:])).max() == 0  # past the rows' positions
     assert np.abs(np.asarray(ref[2])).max() == 0
+
+
+@pytest.mark.parametrize("cap_from", ["main", "own"])
+def test_capture_into_a_stacked_buffer(cap_from):
+    """capture_into: every layer's capture logits go into one buffer (aliased through the
+    calls), and the offsets turn them into the very scores capture="mean" returns, over
+    the ranked range (keys up to capture row 0's position); the output is unchanged."""
+    from pallas_kernels.capture_select import _scores_reference
+    from pallas_kernels.verify_attention import capture_buffer
+
+    L, b, kh, g, d, s, gamma = 3, 2, 2, 4, 64, 150, 4
+    q, kc, vc, q_pos = _inputs(5, L, b, kh, g, d, s, gamma + 1, jnp.float32, (100, 37))
+    blocks = VerifyBlocks(block_k=16, min_split=32, target_programs=4 * b * kh,
+                          cap_from=cap_from)
+    kw = dict(capture="mean", capture_rows=(0, gamma), interpret=True, blocks=blocks)
+    buf = capture_buffer(L, b, kh, 2 * g, s)
+    assert np.isnan(np.asarray(buf, np.float32)).all()  # off the GPU: NaN until written
+    offsets = []
+    for layer in range(L):
+        ql = q * (1.0 + 0.1 * layer)  # layers differ
+        out, (buf, off) = verify_attention(ql, kc, vc, jnp.int32(layer), q_pos,
+                                           capture_into=buf, **kw)
+        ref_out, ref_sc = verify_attention(ql, kc, vc, jnp.int32(layer), q_pos, **kw)
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(ref_out))
+        offsets.append(off)
+    offsets = jnp.stack(offsets)  # [L, b, kh * 2g]
+    score = _scores_reference(buf, offsets, q_pos[:, 0], s, None, 0.0)  # [L, b, s]
+    for layer in range(L):
+        ql = q * (1.0 + 0.1 * layer)
+        _, ref_sc = verify_attention(ql, kc, vc, jnp.int32(layer), q_pos, **kw)
+        ranked = np.arange(s)[None, :] <= np.asarray(q_pos[:, :1])
+        want = np.where(ranked, np.asarray(ref_sc), -np.inf)
+        np.testing.assert_allclose(np.asarray(score[layer]), want, rtol=1e-5, atol=1e-7)
+
+
+def test_capture_into_refuses_what_it_cannot_hold():
+    from pallas_kernels.verify_attention import capture_buffer
+
+    q, kc, vc, q_pos = _inputs(5, 1, 1, 2, 4, 64, 64, 3, jnp.float32, (40,))
+    buf = capture_buffer(1, 1, 2, 8, 64)
+    for kw in (dict(capture="rows"), dict(capture="mean", score="logit"),
+               dict(capture="mean", window=jnp.int32(8))):
+        with pytest.raises(ValueError, match="capture_into"):
+            verify_attention(q, kc, vc, jnp.int32(0), q_pos, capture_rows=(0, 2),
+                             capture_into=buf, interpret=True, **kw)

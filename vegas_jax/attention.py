@@ -22,7 +22,9 @@ from jax.sharding import PartitionSpec as P
 from pallas_kernels.sparse_attention import (
     sparse_attention, sparse_attention_reference, sparse_step,
 )
-from pallas_kernels.verify_attention import verify_attention, verify_attention_reference
+from pallas_kernels.verify_attention import (
+    capture_buffer, verify_attention, verify_attention_reference,
+)
 from vegas_jax.sharding import AXIS, mesh
 
 SCORES = ("weight", "logit")
@@ -37,11 +39,15 @@ class Capture:
       one per row (the row to use is known only after acceptance); "heads" averages the
       rows and each KV head's query heads: one vector per (layer, sequence, KV head).
     score: "weight" = softmax weights averaged over all query heads; "logit" = raw logits.
+    raw: the verify hands over the capture rows' logits, every layer's in one stacked
+      buffer, with their offsets (`RawCapture`) instead of scores, and the selection
+      reduces them itself in one kernel (`raw_capture` says where the kernels allow it).
     """
 
     rows: tuple[int, ...]
     reduce: str = "mean"
     score: str = "weight"
+    raw: bool = False
 
     def __post_init__(self):
         if self.reduce not in ("mean", "rows", "heads"):
@@ -49,12 +55,53 @@ class Capture:
         if self.score not in SCORES:
             raise ValueError(f"score must be one of {SCORES}, got {self.score!r}")
 
-    def scores_shape(self, b: int, kh: int, s: int) -> tuple[int, ...]:
-        """One layer's captured scores (fp32) for b sequences, kh KV heads, s positions."""
+    def scores_shape(self, b: int, kh: int, s: int, g: int = 1) -> tuple[int, ...]:
+        """One layer's captured scores (fp32) for b sequences, kh KV heads of g query heads,
+        s positions (raw: the offsets of its kh * n_cap rows a sequence)."""
+        if self.raw:
+            return (b, kh * self.rows_per_head(g))
         return {"mean": (b, s), "rows": (b, len(self.rows), s), "heads": (b, kh, s)}[self.reduce]
+
+    def rows_per_head(self, g: int) -> int:
+        """Captured query rows a KV head: the distinct capture tokens x its g query heads."""
+        return len(set(self.rows)) * g
 
 
 jax.tree_util.register_static(Capture)
+
+
+@struct.dataclass
+class RawCapture:
+    """A verify's capture before any reduction (`Capture.raw`): logits [L * b * R + spare,
+    s_pad] fp16, the capture rows' log2-unit logits of every layer (`verify_attention.
+    capture_buffer`'s layout), offset [L, b, R] fp32 each row's LSE - log2 of its weight,
+    valid [b] False for sequences whose rows were not computed (finished ones)."""
+
+    logits: jax.Array
+    offset: jax.Array
+    valid: jax.Array
+
+
+def raw_capture(cap: Capture | None, cfg, xc, max_len: int) -> Capture | None:
+    """`cap` as a raw capture where the kernels can hand one over and select from it
+    (`ExecConfig.select` "capture": the mean of softmax weights on the Pallas path, one
+    device, no sliding windows, rows that one selection program holds), else `cap`."""
+    from pallas_kernels.topk import PALLAS_MAX_KEYS
+    from vegas_jax.execution import select_impl
+
+    ok = (cap is not None and cap.reduce == "mean" and cap.score == "weight"
+          and xc.attn == "pallas" and select_impl(xc.select, xc.attn) == "capture"
+          and xc.tp == 1 and not cfg.sliding_layers and max_len <= PALLAS_MAX_KEYS)
+    return dataclasses.replace(cap, raw=True) if ok else cap
+
+
+def capture_start(plan: "AttnPlan", cfg, b: int, max_len: int):
+    """The empty stacked buffer a raw capture's forward fills layer by layer, else None."""
+    cap = plan.capture
+    if plan.mode != "causal" or cap is None or not cap.raw:
+        return None
+    return capture_buffer(cfg.num_layers, b, cfg.num_kv_heads,
+                          cap.rows_per_head(cfg.group_size), max_len)
 
 
 @struct.dataclass
@@ -104,9 +151,10 @@ def per_device(fn, xc, in_specs, out_specs):
 
 
 def attention(plan: AttnPlan, xc, q, k_cache, v_cache, layer, positions, *, window=None,
-              sinks=None, slot=None):
+              sinks=None, slot=None, capture_into=None):
     """q [b, t, k, g, d]; cache [L, b, k, s, d]; positions [b, t]. `layer` indexes the
-    cache. Returns (out [b, t, k, g, d], scores | None).
+    cache. Returns (out [b, t, k, g, d], scores | None); a raw capture (`capture_into`,
+    the stacked buffer: Pallas, one device) returns (buffer, offset [b, R]) as scores.
 
     gpt-oss layers differ beyond their weights: window (int32 scalar, traced) is the
     number of positions a query sees, its own included (0: all before it); sinks [k, g]
@@ -121,6 +169,9 @@ def attention(plan: AttnPlan, xc, q, k_cache, v_cache, layer, positions, *, wind
         cap = plan.capture
         kw = {} if cap is None else dict(capture=cap.reduce, capture_rows=cap.rows,
                                          score=cap.score)
+        if capture_into is not None:
+            return verify_attention(q, k_cache, v_cache, layer, positions, **kw,
+                                    capture_into=capture_into, sinks=sinks)
         fn = verify_attention if xc.attn == "pallas" else verify_attention_reference
         # cuDNN's flash attention has no fp32, windows or sinks
         if plan.fresh and xc.attn == "pallas" and xc.prefill == "cudnn" and cap is None \

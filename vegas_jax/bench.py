@@ -109,7 +109,7 @@ class Phases:
             return c.replace(lengths=n), d
 
         def verify(p, c, x, d, capture):
-            cap = spec.method.capture(spec) if capture else None
+            cap = S.round_capture(spec, cfg, xc, c.max_len) if capture else None
             lg, c2, sc = S.verify_phase(p, cfg, xc, c, x, d, cap)
             return c2.replace(lengths=n), sc, lg[:, 0, :1]
 

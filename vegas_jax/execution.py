@@ -16,7 +16,7 @@ ATTN = ("auto", "pallas", "xla")
 GEMM = ("auto", "triton", "cublas")
 LAYERS = ("auto", "scan", "unrolled")
 DRAFT = ("auto", "fused", "split", "merged")
-SELECT = ("auto", "fused", "pallas", "xla")
+SELECT = ("auto", "capture", "fused", "pallas", "xla")
 PREFILL = ("auto", "pallas", "cudnn")
 MOE = ("auto", "xla", "mosaic", "triton", "pallas")
 
@@ -31,10 +31,11 @@ MOE = ("auto", "xla", "mosaic", "triton", "pallas")
 
 def select_impl(select: str, attn: str) -> str:
     """The selection's backend for `select` under attention backend `attn`: "auto" is the
-    fused kernel where the attention runs on Pallas, XLA's count passes elsewhere."""
+    kernel from the captured logits where the attention runs on Pallas, XLA's count passes
+    elsewhere."""
     if select != "auto":
         return select
-    return "fused" if attn == "pallas" else "xla"
+    return "capture" if attn == "pallas" else "xla"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,9 +53,13 @@ class ExecConfig:
       load (`model.merge_draft`: the MLP's gate/up rides on the input projection and on
       the output projection through wo @ w_gate_up; dense models, one device; more weight
       memory: for small models whose draft matmuls are launch bound).
-    select: the selection's top-k: threshold and compaction in one "fused" kernel, the
-      threshold alone in one "pallas" kernel that reads the scores once (the compaction in
-      XLA), or XLA count passes ("xla", one read of the scores a pass).
+    select: the selection's top-k: "capture", one kernel from the verify's captured logits
+      for all layers (scores, carry, threshold and compaction: `capture_select`; where the
+      method and model allow it -- the mean of softmax weights, one device, no sliding
+      windows, rows of at most 16K positions -- else "fused"); threshold and compaction in
+      one "fused" kernel over the scores the verify's epilogue made, the threshold alone
+      in one "pallas" kernel that reads the scores once (the compaction in XLA), or XLA
+      count passes ("xla", one read of the scores a pass).
     prefill: with the Pallas kernels, a prompt's attention from its first token: the
       "pallas" kernel, or "cudnn" flash attention (~2x faster at long prompts; bf16/fp16
       only, fp32 runs the kernel). Slices of a prompt that start later, and the verify,
@@ -190,9 +195,12 @@ def add_exec_args(p) -> None:
                    help="fused drafts of dense models carry their batch padded to a "
                    "multiple of N rows, so that cuBLAS pads no matmul input (1: off)")
     p.add_argument("--select-impl", default="auto", choices=SELECT,
-                   help="the selection's top-k: threshold and compaction in one Pallas "
-                   "kernel (fused), the threshold alone in one (pallas), or XLA count "
-                   "passes (xla); auto: fused where the attention is pallas")
+                   help="the selection's top-k: scores, carry, threshold and compaction "
+                   "in one Pallas kernel from the verify's captured logits (capture; "
+                   "fused where a method or model cannot), threshold and compaction in one "
+                   "kernel over scores an epilogue made (fused), the threshold alone in "
+                   "one (pallas), or XLA count passes (xla); auto: capture where the "
+                   "attention is pallas")
     p.add_argument("--prefill-impl", default="auto", choices=PREFILL,
                    help="Pallas path only: a prompt's attention from its first token through "
                    "the Pallas kernel or cuDNN flash attention (bf16/fp16; ~2x faster at "

@@ -25,7 +25,9 @@ from jax import lax
 
 from pallas_kernels import grouped_matmul
 from pallas_kernels.sparse_attention import rope_halves
-from vegas_jax.attention import AttnPlan, attention, fused_draft, sparse_block
+from vegas_jax.attention import (
+    AttnPlan, RawCapture, attention, capture_start, fused_draft, sparse_block,
+)
 from vegas_jax.cache import KVCache, write_kv
 from vegas_jax.config import ModelConfig, rope_inv_freq
 from vegas_jax.execution import ExecConfig
@@ -138,14 +140,16 @@ def apply_rope(x, cos, sin):
 @functools.partial(jax.jit, static_argnames=("cfg", "xc", "write"))
 def _layer(cfg: ModelConfig, xc: ExecConfig, write: bool, plan: AttnPlan, cos, sin, positions,
            rope, carry, lp: LayerParams, li):
-    """One transformer layer: carry (x [b, t, h], k_cache, v_cache) -> (carry, scores).
+    """One transformer layer: carry (x [b, t, h], k_cache, v_cache[, capture buffer]) ->
+    (carry, scores). A raw capture's stacked buffer (`Capture.raw`) rides in the carry:
+    each layer's verify writes its rows into it, and the layer's scores are its offsets.
 
     Jitted on its own, with the layer index `li` traced: every layer of a forward is then
     traced and lowered once, whether the layers run in a loop or unrolled (per-layer
     weight buffers: on the GPU the host walks no loop body per layer, but 30 layers traced
     and lowered one by one took ~10 s a round on the CPU). XLA inlines the calls."""
     k_heads, g, d = cfg.num_kv_heads, cfg.group_size, cfg.head_dim
-    x, k_cache, v_cache = carry  # x [b, t, h]
+    x, k_cache, v_cache, *cap_buf = carry  # x [b, t, h]
     b, t, _ = x.shape
     fused = write and fused_draft(plan, xc, cfg)
     # a fused draft with the norm's weight folded into w_qkv: the norm's row scale
@@ -192,7 +196,10 @@ def _layer(cfg: ModelConfig, xc: ExecConfig, write: bool, plan: AttnPlan, cos, s
         slot = jnp.asarray(cfg.selection_slots, jnp.int32)[li]
     sinks = None if lp.sinks is None else lp.sinks.reshape(k_heads, g)  # [k, g]
     o, scores = attention(plan, xc, q, k_cache, v_cache, li, positions, window=window,
-                          sinks=sinks, slot=slot)
+                          sinks=sinks, slot=slot, capture_into=cap_buf[0] if cap_buf else None)
+    if cap_buf:
+        cap_buf, scores = scores
+        return _mlp(cfg, xc, x, o, lp), k_cache, v_cache, cap_buf, scores
     return _mlp(cfg, xc, x, o, lp), k_cache, v_cache, scores
 
 
@@ -343,7 +350,8 @@ def forward(
 
     Returns (logits fp32 [b, t or 1, v], cache, scores) where scores stacks the
     full-attention layers' captured attention scores [len(cfg.full_layers), ...] (every
-    layer but gpt-oss's sliding ones) when `plan` asks for a capture (else None).
+    layer but gpt-oss's sliding ones) when `plan` asks for a capture (else None); a raw
+    capture returns a `RawCapture` instead.
     """
     b = tokens.shape[0]
     fused = write and fused_draft(plan, xc, cfg)
@@ -366,7 +374,8 @@ def forward(
             jax.debug.callback(on_layer, carry[0][0, 0, 0])
         return tuple(carry), sc
 
-    carry = (x, cache.k, cache.v)
+    cap_buf = capture_start(plan, cfg, b, cache.max_len)  # a raw capture's buffer, or None
+    carry = (x, cache.k, cache.v) + (() if cap_buf is None else (cap_buf,))
     if isinstance(params.layers, tuple):
         # Per-layer weight buffers: nothing is sliced per layer (in a loop, XLA reads each
         # layer's weight slices at offsets the host computes, so the host walks every
@@ -379,9 +388,12 @@ def forward(
             [per_layer[i] for i in cfg.full_layers])
     else:
         cap = plan.capture
-        shape = None if cap is None else cap.scores_shape(*cache.k.shape[1:4])
+        shape = None if cap is None else cap.scores_shape(*cache.k.shape[1:4], cfg.group_size)
         carry, scores = _layer_loop(step, carry, params.layers, cfg, shape)
-    x, k_cache, v_cache = carry
+    x, k_cache, v_cache, *cap_buf = carry
+    if cap_buf:  # scores: every layer's offsets [L, b, R]
+        active = jnp.ones((b,), bool) if plan.active is None else plan.active
+        scores = RawCapture(cap_buf[0], scores, active)
     x = x[:b]
     if logits_at is not None:
         x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)  # [b, 1, h]

@@ -430,13 +430,15 @@ def decode_text(model, tokens):
 
 def exec_config(model, attn_impl: str | None = None) -> ExecConfig:
     """The model's execution config, resolved, with the attention backend overridden by
-    `attn_impl` when given (the selection's kernel then follows it). The layer loop follows
+    `attn_impl` when given (the XLA attention takes the XLA selection with it; Pallas keeps
+    the configured selection, by default the kernels'). The layer loop follows
     the params' layout (set at load time by `layout_params`), so the two can never
     disagree."""
     xc = getattr(model, "exec_config", None) or ExecConfig()
     layers = "unrolled" if isinstance(model.params.layers, tuple) else "scan"
     if attn_impl:
-        xc = dataclasses.replace(xc, attn=attn_impl, select=attn_impl)
+        xc = dataclasses.replace(xc, attn=attn_impl,
+                                 select="xla" if attn_impl == "xla" else xc.select)
     return dataclasses.replace(xc, layers=layers).resolve()
 
 

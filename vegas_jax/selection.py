@@ -35,8 +35,9 @@ from flax import struct
 from jax import lax
 from jax.scipy.special import entr
 
+from pallas_kernels.capture_select import select_from_capture
 from pallas_kernels.topk import kth_largest_key, select_topk_fast, sortable_keys
-from vegas_jax.attention import AttnPlan, Capture
+from vegas_jax.attention import AttnPlan, Capture, RawCapture
 from vegas_jax.execution import select_impl
 
 # ceil() of a product that should be a whole number can land one above it in floating
@@ -64,9 +65,11 @@ def budget(spec, n, max_len: int):
 
 
 def _threshold(xc) -> str:
-    """The top-k's backend (`ExecConfig.select`; "auto": the fused kernel where the
-    attention runs on Pallas)."""
-    return "xla" if xc is None else select_impl(xc.select, xc.attn)
+    """The top-k's backend over scores (`ExecConfig.select`; "auto": the fused kernel
+    where the attention runs on Pallas; "capture" selects over scores where its kernel
+    from the captured logits does not serve)."""
+    impl = "xla" if xc is None else select_impl(xc.select, xc.attn)
+    return "fused" if impl == "capture" else impl
 
 
 def select_topk(scores, r_end, spec, max_len: int, xc=None):
@@ -160,6 +163,11 @@ class Method:
 
     def capture(self, spec) -> Capture | None:
         return None
+
+    def takes_raw(self, spec) -> bool:
+        """Whether `update` selects from a `RawCapture` (the verify's logits as they came
+        out of its kernel) where the kernels can hand one over (`attention.raw_capture`)."""
+        return False
 
     def check(self, spec) -> None:
         """Raise ValueError for settings that do not go with this SpecConfig."""
@@ -285,6 +293,10 @@ class VerifyGuided(Method):
             return Capture((0, spec.gamma), "mean", spec.score)
         return Capture(every, "mean" if self.rows == "all" else "rows", spec.score)
 
+    def takes_raw(self, spec):
+        # the kernel sums, carries and selects: no policy that edits the scores between
+        return not (self.sink or self.recent or self.pool or self.entropy)
+
     def _select(self, spec, scores, r_end, max_len, xc):
         scores = self._guaranteed(scores, r_end)
         if self.pool:
@@ -322,6 +334,14 @@ class VerifyGuided(Method):
                         idx=sel.idx, count=sel.count, tail_start=sel.end)
 
     def update(self, spec, sel, scores, cache, n, n_acc, xc):
+        if isinstance(scores, RawCapture):  # scores, carry and top-k in one kernel
+            max_len = cache.max_len
+            want = budget(spec, n, max_len)  # [b]
+            idx, acc = select_from_capture(
+                scores.logits, scores.offset, jnp.where(scores.valid, n, -1), want,
+                max_budget(spec, max_len), max_len, sel.acc if self.decay else None,
+                self.decay)
+            return TopK(idx, jnp.broadcast_to(want[None, :], idx.shape[:2]), n + 1, acc)
         if self.rows == "last":  # scores [L, b, r, s]: keep the last accepted token's row
             scores = jnp.take_along_axis(scores, n_acc[None, :, None, None], axis=2)[:, :, 0]
         elif self.rows == "accepted":  # the mean of rows 0..n_acc
@@ -477,6 +497,9 @@ class Auto(Method):
 
     def capture(self, spec):
         return self.base.capture(spec)
+
+    def takes_raw(self, spec):
+        return self.base.takes_raw(spec)
 
     @property
     def prefill_rows(self) -> int:  # type: ignore[override]

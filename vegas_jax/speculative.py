@@ -16,7 +16,7 @@ import numpy as np
 from flax import struct
 from jax import lax
 
-from vegas_jax.attention import AttnPlan, Capture
+from vegas_jax.attention import AttnPlan, Capture, raw_capture
 from vegas_jax.cache import KVCache
 from vegas_jax.config import ModelConfig
 from vegas_jax.execution import ExecConfig, model_jit
@@ -159,7 +159,8 @@ def spec_round(params, cfg: ModelConfig, xc: ExecConfig, state: SpecState, spec:
     key, k_draft, k_acc = jax.random.split(state.key, 3)
     cache, drafts, q = draft_phase(params, cfg, xc, state, k_draft, spec, sp)
     logits, cache, scores = verify_phase(params, cfg, xc, cache, state.x0, drafts,
-                                         spec.method.capture(spec), active, spec.exact)
+                                         round_capture(spec, cfg, xc, cache.max_len), active,
+                                         spec.exact)
     n_acc, nxt = accept(k_acc, drafts, q, logits, sp)
     slot = jnp.arange(gamma + 1)[None, :]
     padded = jnp.concatenate([drafts, jnp.zeros_like(drafts[:, :1])], axis=1)
@@ -220,6 +221,16 @@ def _restored(state: SpecState, saved: SpecState, flag) -> SpecState:
     buffer of its own, not the donated one."""
     small = jax.tree.map(lambda old, new: jnp.where(flag, new, old), _without_kv(state), saved)
     return small.replace(cache=small.cache.replace(k=state.cache.k, v=state.cache.v))
+
+
+def round_capture(spec: SpecConfig, cfg: ModelConfig, xc: ExecConfig,
+                  max_len: int) -> Capture | None:
+    """What a round's verify captures: the method's capture, handed over raw (the logits
+    for the selection's own kernel) where the method and the kernels allow it."""
+    cap = spec.method.capture(spec)
+    if spec.exact or not spec.method.takes_raw(spec):
+        return cap
+    return raw_capture(cap, cfg, xc, max_len)
 
 
 def prefill_capture(spec: SpecConfig) -> Capture | None:
