@@ -71,14 +71,14 @@ def main(argv=None):
     f = jax.jit(before)
     rows.append(("epilogue x L + stack/carry + fused select", f(layers, offset, old)[0],
                  lambda: f(layers, offset, old)))
-    for warps in (4, 8, 16):
-        g = jax.jit(lambda lg, o, od, w=warps: select_from_capture(
-            lg, o, end, want, kmax, s, od, 0.5, num_warps=w))
+    for warps, early in ((8, False), (8, True), (4, False), (4, True)):
+        g = jax.jit(lambda lg, o, od, w=warps, e=early: select_from_capture(
+            lg, o, end, want, kmax, s, od, 0.5, num_warps=w, early=e))
+        name = f"select_from_capture, {warps} warps" + (", early exit" if early else "")
         try:
-            rows.append((f"select_from_capture, {warps} warps", g(logits, offset, old)[0],
-                         lambda g=g: g(logits, offset, old)))
+            rows.append((name, g(logits, offset, old)[0], lambda g=g: g(logits, offset, old)))
         except Exception as e:  # a plan that does not compile: report, go on
-            print(f"{warps} warps failed: {str(e)[:200]}")
+            print(f"{name} failed: {str(e)[:200]}")
     print(f"[L, b, R, s] = [{L}, {b}, {r}, {s}], k = {kmax}")
     for name, idx, fn in rows:
         us = _time(fn, a.reps) * 1e6

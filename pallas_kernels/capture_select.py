@@ -59,7 +59,7 @@ def select_from_capture_reference(cbuf, offset, end, want, kmax, s, old=None, de
 
 
 def _kernel(off_ref, end_ref, want_ref, cbuf_ref, *refs, b, r, n_rows, s_len, chunk, kmax,
-            decay, radix_bits):
+            decay, radix_bits, early):
     # off_ref [L * b * r] fp32; end_ref, want_ref [b] int32; cbuf_ref [L * b * r + spare,
     # s_pad] (whole); refs: (old_ref [L * b, s] when decay,) o_ref [L * b * kmax + chunk]
     # int32 (whole), (acc_ref [L * b, s] when decay)
@@ -83,13 +83,15 @@ def _kernel(off_ref, end_ref, want_ref, cbuf_ref, *refs, b, r, n_rows, s_len, ch
         pltr.store(acc_ref.at[row, pl.ds(0, chunk)], score, mask=cols < s_len)
     key = jnp.where(cols < s_len, _signed_keys(score), jnp.int32(_INT_MIN))[None, :]
     want = want_ref[pl.ds(bi, 1)]  # [1]
-    select_resident(key, want, jnp.full((1,), row, jnp.int32), n_rows, kmax, o_ref, radix_bits)
+    select_resident(key, want, jnp.full((1,), row, jnp.int32), n_rows, kmax, o_ref, radix_bits,
+                    early)
 
 
 def select_from_capture(cbuf, offset, end, want, kmax, s, old=None, decay=0.0, *,
-                        radix_bits=2, num_warps=None, interpret=False):
+                        radix_bits=2, num_warps=None, early=False, interpret=False):
     """See the module docstring. s: positions a row ranks (the cache length, at most
-    `topk.PALLAS_MAX_KEYS`); num_warps None: 8 for rows of 8K+ positions, else 4."""
+    `topk.PALLAS_MAX_KEYS`); num_warps None: 8 for rows of 8K+ positions, else 4; early:
+    the radix passes stop once the threshold is pinned (`topk._kth_resident_early`)."""
     L, b, r = offset.shape
     if s > PALLAS_MAX_KEYS:
         raise ValueError(f"rows of at most {PALLAS_MAX_KEYS} positions, got {s}")
@@ -109,7 +111,7 @@ def select_from_capture(cbuf, offset, end, want, kmax, s, old=None, decay=0.0, *
         out_specs.append(whole((rows, s)))
     res = pl.pallas_call(
         functools.partial(_kernel, b=b, r=r, n_rows=rows, s_len=s, chunk=chunk, kmax=kmax,
-                          decay=float(decay), radix_bits=radix_bits),
+                          decay=float(decay), radix_bits=radix_bits, early=early),
         grid=(L, b),
         in_specs=in_specs,
         out_specs=out_specs,

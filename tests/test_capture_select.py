@@ -38,14 +38,16 @@ def _check(idx, score, want):
             assert (np.diff(got) > 0).all()  # in position order
 
 
-@pytest.mark.parametrize("L,b,r,s,decay", [(2, 4, 6, 700, 0.5), (3, 4, 18, 1024, 0.0),
-                                           (1, 2, 8, 300, 0.5)])
-def test_kernel_matches_reference(L, b, r, s, decay):
+@pytest.mark.parametrize("L,b,r,s,decay,early", [(2, 4, 6, 700, 0.5, False),
+                                                 (3, 4, 18, 1024, 0.0, False),
+                                                 (1, 2, 8, 300, 0.5, False),
+                                                 (2, 4, 6, 700, 0.5, True)])
+def test_kernel_matches_reference(L, b, r, s, decay, early):
     cbuf, offset, end, old = _inputs(L, b, r, s)
     want = jnp.clip(jnp.asarray([37, 60, 41, 5][:b], jnp.int32), 1, jnp.maximum(end + 1, 1))
     kmax = 64
     o = old if decay else None
-    idx, acc = select_from_capture(cbuf, offset, end, want, kmax, s, o, decay,
+    idx, acc = select_from_capture(cbuf, offset, end, want, kmax, s, o, decay, early=early,
                                    interpret=True)
     ridx, racc = select_from_capture_reference(cbuf, offset, end, want, kmax, s, o, decay)
     score = _scores_reference(cbuf, offset, end, s, o, decay)
@@ -77,7 +79,7 @@ def test_the_scores_are_weighted_softmax_weights():
 def test_select_from_capture_lowers_for_cuda():
     L, b, r, s = 30, 4, 18, 7936
     text = lower_cuda(
-        lambda c, o, e, w, old: select_from_capture(c, o, e, w, 556, s, old, 0.5),
+        lambda c, o, e, w, old: select_from_capture(c, o, e, w, 556, s, old, 0.5, early=True),
         jax.ShapeDtypeStruct((L * b * r + 64, s), jnp.float16),
         jax.ShapeDtypeStruct((L, b, r), jnp.float32),
         jax.ShapeDtypeStruct((b,), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.int32),
