@@ -58,20 +58,24 @@ def main(argv=None):
                                 threshold="fused"), sc
 
     def check(idx):
+        """Rows whose selected scores are not the top ones (beyond near-ties: summation
+        orders differ between the kernels and XLA in the last bits)."""
         idx, sc = np.asarray(idx), np.asarray(score)
+        bad = 0
         for l in range(L):
             for bi in range(b):
                 w = int(want[bi])
                 top = np.sort(sc[l, bi])[::-1][:w]
-                if not np.array_equal(np.sort(sc[l, bi, idx[l, bi, :w]])[::-1], top):
-                    return False
-        return True
+                got = np.sort(sc[l, bi, idx[l, bi, :w]])[::-1]
+                bad += not (len(set(idx[l, bi, :w].tolist())) == w
+                            and np.allclose(got, top, rtol=1e-5, atol=0))
+        return f"{bad} of {L * b} rows off"
 
     rows = []
     f = jax.jit(before)
     rows.append(("epilogue x L + stack/carry + fused select", f(layers, offset, old)[0],
                  lambda: f(layers, offset, old)))
-    for warps, early in ((8, False), (8, True), (4, False), (4, True)):
+    for warps, early in ((8, False), (8, True), (16, True)):
         g = jax.jit(lambda lg, o, od, w=warps, e=early: select_from_capture(
             lg, o, end, want, kmax, s, od, 0.5, num_warps=w, early=e))
         name = f"select_from_capture, {warps} warps" + (", early exit" if early else "")
