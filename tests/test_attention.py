@@ -10,14 +10,15 @@ import pytest
 from vegas_jax.attention import AttnPlan, Capture, attention, sparse_block
 from vegas_jax.execution import ExecConfig
 from tests.tiny import tiny_config
+from tests import rand
 
 PALLAS = ExecConfig(attn="pallas", gemm="triton", layers="scan", draft="fused")
 
 
 def _cache(L=2, b=3, kh=2, s=96, d=16, seed=0):
     ks = jax.random.split(jax.random.PRNGKey(seed), 2)
-    return (jax.random.normal(ks[0], (L, b, kh, s, d)),
-            jax.random.normal(ks[1], (L, b, kh, s, d)))
+    return (rand.normal(ks[0], (L, b, kh, s, d)),
+            rand.normal(ks[1], (L, b, kh, s, d)))
 
 
 ACTIVE = jnp.array([True, False, True])
@@ -34,7 +35,7 @@ def _split_rows(full, skipped):
 def test_verify_rows_of_finished_sequences_read_nothing(pallas_interpret):
     kc, vc = _cache()
     b, t, kh, g, d = 3, 4, 2, 2, 16
-    q = jax.random.normal(jax.random.PRNGKey(5), (b, t, kh, g, d))
+    q = rand.normal(jax.random.PRNGKey(5), (b, t, kh, g, d))
     pos = jnp.array([40, 70, 90])[:, None] + jnp.arange(t)[None, :]
     cap = Capture((0, t - 1))
     full, sc_full = attention(AttnPlan(capture=cap), PALLAS, q, kc, vc, 1, pos)
@@ -53,19 +54,19 @@ def test_sparse_drafts_of_finished_sequences_read_nothing(pallas_interpret, fuse
     kh, g, d = cfg.num_kv_heads, cfg.group_size, cfg.head_dim
     kc, vc = _cache(b=3, kh=kh, d=d)
     b, K = 3, 12
-    idx = jax.random.randint(jax.random.PRNGKey(7), (2, b, K), 0, 50)
+    idx = rand.randint(jax.random.PRNGKey(7), (2, b, K), 0, 50)
     plan = AttnPlan(mode="sparse", tail_len=5, idx=idx, count=jnp.full((2, b), K),
                     tail_start=jnp.array([60, 61, 62]))
     pos = jnp.array([[63], [64], [65]])
     if fused:
-        qkv = jax.random.normal(jax.random.PRNGKey(8), (b, 1, (kh * g + 2 * kh) * d))
+        qkv = rand.normal(jax.random.PRNGKey(8), (b, 1, (kh * g + 2 * kh) * d))
         one = jnp.ones((d,))
         rope = jnp.stack([jnp.ones((b, d // 2)), jnp.zeros((b, d // 2))], axis=1)
 
         def run(p):
             return sparse_block(p, PALLAS, cfg, qkv, one, one, rope, kc, vc, 1, pos)[0]
     else:
-        q = jax.random.normal(jax.random.PRNGKey(8), (b, 1, kh, g, d))
+        q = rand.normal(jax.random.PRNGKey(8), (b, 1, kh, g, d))
 
         def run(p):
             return attention(p, PALLAS, q, kc, vc, 1, pos)[0]
@@ -80,7 +81,7 @@ def _draft_inputs(cfg):
     L, b, K = cfg.num_layers, 3, 12
     kc, vc = _cache(L=L, b=b, kh=cfg.num_kv_heads, s=96, d=cfg.head_dim)
     cache = KVCache(k=kc, v=vc, lengths=jnp.array([63, 64, 65]))
-    idx = jax.random.randint(jax.random.PRNGKey(7), (L, b, K), 0, 50)
+    idx = rand.randint(jax.random.PRNGKey(7), (L, b, K), 0, 50)
     plan = AttnPlan(mode="sparse", tail_len=5, idx=idx, count=jnp.full((L, b), K),
                     tail_start=jnp.array([60, 61, 62]))
     return cache, plan, jnp.array([[5], [17], [42]]), jnp.array([[63], [64], [65]])

@@ -10,15 +10,16 @@ from pallas_kernels.capture_select import (
     _scores_reference, select_from_capture, select_from_capture_reference,
 )
 from tests.cuda import lower_cuda
+from tests import rand
 
 
 def _inputs(L, b, r, s, spare=16, seed=0):
     ks = jax.random.split(jax.random.PRNGKey(seed), 4)
-    cbuf = (3.0 * jax.random.normal(ks[0], (L * b * r + spare, s))).astype(jnp.float16)
-    offset = 4.0 + jax.random.normal(ks[1], (L, b, r))
+    cbuf = (3.0 * rand.normal(ks[0], (L * b * r + spare, s))).astype(jnp.float16)
+    offset = 4.0 + rand.normal(ks[1], (L, b, r))
     end = jnp.asarray([s - 1, s // 3, 40, -1][:b], jnp.int32)  # ragged; the last finished
     old = jnp.where(jnp.arange(s)[None, None, :] <= end[None, :, None],
-                    jax.random.uniform(ks[2], (L, b, s)) * 0.2, -jnp.inf)
+                    rand.uniform(ks[2], (L, b, s)) * 0.2, -jnp.inf)
     return cbuf, offset, end, old
 
 
@@ -67,7 +68,7 @@ def test_the_scores_are_weighted_softmax_weights():
     w: a row whose weights sum to one adds w in total (a wrong sign or a natural-log
     exponent would not)."""
     L, b, r, s = 1, 1, 2, 128
-    logits = jax.random.normal(jax.random.PRNGKey(3), (r, s)) * 2.0
+    logits = rand.normal(jax.random.PRNGKey(3), (r, s)) * 2.0
     lse = jax.nn.logsumexp(logits * np.log(2.0), axis=-1) / np.log(2.0)  # log2 units
     w = jnp.asarray([0.25, 0.75])
     offset = (lse - jnp.log2(w)).reshape(L, b, r)

@@ -9,6 +9,7 @@ import pytest
 
 from pallas_kernels.grouped_matmul import mosaic_fits, ragged_dot
 from tests.cuda import lower_cuda
+from tests import rand
 from vegas_jax.execution import ExecConfig
 
 sd = jax.ShapeDtypeStruct
@@ -34,8 +35,8 @@ def test_falls_back_to_xla_where_the_kernel_does_not_fit(dtype, k, n):
 
 def test_xla_path_is_ragged_dot():
     ks = jax.random.split(jax.random.PRNGKey(0), 2)
-    a = jax.random.normal(ks[0], (10, 64))
-    w = jax.random.normal(ks[1], (3, 64, 128))
+    a = rand.normal(ks[0], (10, 64))
+    w = rand.normal(ks[1], (3, 64, 128))
     sizes = jnp.array([4, 0, 6], jnp.int32)
     out = ragged_dot(a, w, sizes, precision=jax.lax.Precision.HIGHEST, impl="mosaic")
     ref = np.concatenate([np.asarray(a[:4]) @ np.asarray(w[0]),
@@ -69,8 +70,8 @@ def test_triton_grouped_matmul_matches_ragged_dot(sizes, loop):
     sizes = jnp.array(sizes, jnp.int32)
     m, g, k, n = int(sizes.sum()), sizes.shape[0], 128, 128
     ks = jax.random.split(jax.random.PRNGKey(int(sizes[0]) + m), 2)
-    a = jax.random.normal(ks[0], (m, k))
-    w = jax.random.normal(ks[1], (g, k, n))
+    a = rand.normal(ks[0], (m, k))
+    w = rand.normal(ks[1], (g, k, n))
     ref = jax.lax.ragged_dot(a, w, sizes, precision=jax.lax.Precision.HIGHEST)
     out = grouped_matmul(a, w, sizes, loop=loop, interpret=True)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-4)

@@ -12,6 +12,7 @@ from vegas_jax import selection as sel
 from vegas_jax.generate import generate
 from vegas_jax.speculative import SpecConfig, speculative_generate
 from tests.tiny import tiny_model
+from tests import rand
 
 SPEC = SpecConfig(gamma=4, sparsity=0.07, min_tokens=8)
 MAX_LEN = 1024
@@ -38,9 +39,9 @@ def test_pooled_budget_takes_the_largest_weights_over_all_layers():
     than a peaked one, and the entries read in total never exceed the paper selector's."""
     L, b = 3, 2
     key = jax.random.PRNGKey(1)
-    flat = jax.random.uniform(key, (b, MAX_LEN)) * 1e-3 + 1e-3
-    peaked = jax.nn.softmax(8 * jax.random.normal(jax.random.fold_in(key, 1), (b, MAX_LEN)))
-    mid = jax.nn.softmax(2 * jax.random.normal(jax.random.fold_in(key, 2), (b, MAX_LEN)))
+    flat = rand.uniform(key, (b, MAX_LEN)) * 1e-3 + 1e-3
+    peaked = jax.nn.softmax(8 * rand.normal(jax.random.fold_in(key, 1), (b, MAX_LEN)))
+    mid = jax.nn.softmax(2 * rand.normal(jax.random.fold_in(key, 2), (b, MAX_LEN)))
     scores = jnp.stack([flat, peaked, mid])  # [L, b, s]
     n = jnp.array([500, 1000])
     pool = sel.VerifyGuided("pair", pool=2.0)
@@ -70,9 +71,9 @@ def test_entropy_split_follows_each_layers_perplexity():
     than a peaked one for a > 0, fewer for a < 0; never more entries than the paper's."""
     L, b = 3, 2
     key = jax.random.PRNGKey(5)
-    flat = jax.nn.softmax(0.1 * jax.random.normal(key, (b, MAX_LEN)))
-    peaked = jax.nn.softmax(8 * jax.random.normal(jax.random.fold_in(key, 1), (b, MAX_LEN)))
-    mid = jax.nn.softmax(2 * jax.random.normal(jax.random.fold_in(key, 2), (b, MAX_LEN)))
+    flat = jax.nn.softmax(0.1 * rand.normal(key, (b, MAX_LEN)))
+    peaked = jax.nn.softmax(8 * rand.normal(jax.random.fold_in(key, 1), (b, MAX_LEN)))
+    mid = jax.nn.softmax(2 * rand.normal(jax.random.fold_in(key, 2), (b, MAX_LEN)))
     scores = jnp.stack([flat, peaked, mid])  # [L, b, s]
     n = jnp.array([500, 1000])
     per_layer = np.asarray(sel.budget(SPEC, n, MAX_LEN))
@@ -103,8 +104,8 @@ def test_decay_carries_the_scores_of_earlier_rounds(score):
     selector (`vegas-paper`, d = 0) ranks the new scores alone."""
     L, b = 2, 2
     k1, k2 = jax.random.split(jax.random.PRNGKey(2))
-    s1 = 3 * jax.random.uniform(k1, (L, b, MAX_LEN))  # the aged s1 competes with s2
-    s2 = jax.random.uniform(k2, (L, b, MAX_LEN))
+    s1 = 3 * rand.uniform(k1, (L, b, MAX_LEN))  # the aged s1 competes with s2
+    s2 = rand.uniform(k2, (L, b, MAX_LEN))
     n1, n2 = jnp.array([300, 700]), jnp.array([305, 707])
     dec = sel.METHODS["vegas"]
     assert dec == sel.VerifyGuided("pair", decay=0.5) and dec.name == "vegas"
@@ -133,7 +134,7 @@ def test_accepted_rows_average_only_the_kept_tokens():
     """rows="accepted": the mean of verify rows 0..n_acc; rows of rejected drafts (and
     the pair's row gamma when it was rejected) must not count."""
     L, b, r = 2, 3, SPEC.gamma + 1
-    scores = jax.random.uniform(jax.random.PRNGKey(4), (L, b, r, MAX_LEN))
+    scores = rand.uniform(jax.random.PRNGKey(4), (L, b, r, MAX_LEN))
     n, n_acc = jnp.array([200, 600, 900]), jnp.array([0, 2, 4])
     acc = sel.VerifyGuided("accepted")
     assert acc.name == "vegas-accepted"

@@ -11,6 +11,7 @@ from pallas_kernels.sparse_attention import (
     SparseBlocks, StepBlocks, sparse_attention, sparse_attention_reference,
 )
 from tests.cuda import lower_cuda
+from tests import compiled, rand
 
 # (L, b, kh, g, d, s, K, tail_len, per_head, dtype, layer axis on idx)
 CASES = [
@@ -28,31 +29,31 @@ CASES = [
 def test_sparse_matches_reference(case):
     L, b, kh, g, d, s, K, W, per_head, dtype, stacked = case
     ks = jax.random.split(jax.random.PRNGKey(s + K), 6)
-    kc = jax.random.normal(ks[0], (L, b, kh, s, d), jnp.float32).astype(dtype)
-    vc = jax.random.normal(ks[1], (L, b, kh, s, d), jnp.float32).astype(dtype)
-    q = (2.0 * jax.random.normal(ks[2], (b, 1, kh, g, d), jnp.float32)).astype(dtype)
-    q_pos = jax.random.randint(ks[3], (b,), s // 2, s)  # ragged
+    kc = rand.normal(ks[0], (L, b, kh, s, d), jnp.float32).astype(dtype)
+    vc = rand.normal(ks[1], (L, b, kh, s, d), jnp.float32).astype(dtype)
+    q = (2.0 * rand.normal(ks[2], (b, 1, kh, g, d), jnp.float32)).astype(dtype)
+    q_pos = rand.randint(ks[3], (b,), s // 2, s)  # ragged
     tail_start = jnp.maximum(q_pos - max(W - 3, 0), 0)
     if W > 50:  # the window reaches back W - 3 positions: several chunks of it are real
         assert int(jnp.min(q_pos - tail_start)) > 2 * 16
     ish = (b, kh, K) if per_head else (b, K)
-    idx = jax.random.randint(ks[4], ish, 0, s // 2)
-    count = jax.random.randint(ks[5], ish[:-1], 1, K + 1).at[(0,) * (len(ish) - 1)].set(K)
+    idx = rand.randint(ks[4], ish, 0, s // 2)
+    count = rand.randint(ks[5], ish[:-1], 1, K + 1).at[(0,) * (len(ish) - 1)].set(K)
     # padding entries hold a valid sentinel
     idx = jnp.where(jnp.arange(K) < count[..., None], idx, 0)
     layer = jnp.int32(L - 1)
-    ref = sparse_attention_reference(q, kc, vc, layer, idx, count, tail_start, q_pos,
+    ref = compiled.call(sparse_attention_reference, q, kc, vc, layer, idx, count, tail_start, q_pos,
                                      tail_len=W)
     kw = {}
     if stacked:  # every layer's lists in one buffer: the kernel indexes entry 1
-        junk = jax.random.randint(ks[5], idx.shape, 0, s)
+        junk = rand.randint(ks[5], idx.shape, 0, s)
         idx = jnp.stack([junk, idx, junk])
         count = jnp.stack([jnp.ones_like(count), count, jnp.ones_like(count)])
         kw["idx_layer"] = jnp.int32(1)
-        ref2 = sparse_attention_reference(q, kc, vc, layer, idx, count, tail_start, q_pos,
+        ref2 = compiled.call(sparse_attention_reference, q, kc, vc, layer, idx, count, tail_start, q_pos,
                                           tail_len=W, **kw)
         np.testing.assert_array_equal(np.asarray(ref2), np.asarray(ref))
-    out = sparse_attention(q, kc, vc, layer, idx, count, tail_start, q_pos, tail_len=W,
+    out = compiled.call(sparse_attention, q, kc, vc, layer, idx, count, tail_start, q_pos, tail_len=W,
                            interpret=True, **kw,
                            blocks=SparseBlocks(block_k=16, target_programs=3 * b * kh))
     assert out.shape == ref.shape and out.dtype == ref.dtype
@@ -68,22 +69,22 @@ def test_sinks_match_reference(per_head, g, none_selected):
     a sliding layer's draft selects nothing and reads its window as the tail."""
     L, b, kh, d, s, K, W = 2, 2, 2, 64, 200, 24, 40
     ks = jax.random.split(jax.random.PRNGKey(g), 6)
-    kc = jax.random.normal(ks[0], (L, b, kh, s, d), jnp.float32)
-    vc = jax.random.normal(ks[1], (L, b, kh, s, d), jnp.float32)
-    q = 2.0 * jax.random.normal(ks[2], (b, 1, kh, g, d), jnp.float32)
+    kc = rand.normal(ks[0], (L, b, kh, s, d), jnp.float32)
+    vc = rand.normal(ks[1], (L, b, kh, s, d), jnp.float32)
+    q = 2.0 * rand.normal(ks[2], (b, 1, kh, g, d), jnp.float32)
     q_pos = jnp.array([120, 190], jnp.int32)
     tail_start = q_pos - W + 1
     ish = (b, kh, K) if per_head else (b, K)
-    idx = jax.random.randint(ks[4], ish, 0, 80)
+    idx = rand.randint(ks[4], ish, 0, 80)
     count = jnp.full(ish[:-1], 0 if none_selected else K, jnp.int32)
-    sinks = 5.0 + 2.0 * jax.random.normal(ks[5], (kh, g), jnp.float32)  # near the LSE
+    sinks = 5.0 + 2.0 * rand.normal(ks[5], (kh, g), jnp.float32)  # near the LSE
     layer = jnp.int32(1)
     args = (q, kc, vc, layer, idx, count, tail_start, q_pos)
-    ref = sparse_attention_reference(*args, tail_len=W, sinks=sinks)
-    out = sparse_attention(*args, tail_len=W, sinks=sinks, interpret=True,
+    ref = compiled.call(sparse_attention_reference, *args, tail_len=W, sinks=sinks)
+    out = compiled.call(sparse_attention, *args, tail_len=W, sinks=sinks, interpret=True,
                            blocks=SparseBlocks(block_k=16, target_programs=3 * b * kh))
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-4, rtol=1e-4)
-    plain = sparse_attention_reference(*args, tail_len=W)
+    plain = compiled.call(sparse_attention_reference, *args, tail_len=W)
     assert np.abs(np.asarray(plain) - np.asarray(ref)).max() > 0.05
 
 
@@ -125,16 +126,16 @@ def test_sparse_step_matches_reference(case, with_x):
     b, kh, g, d, s, K, W, qk_norm, dtype, unsplit = case
     L, n = 2, kh * g
     ks = jax.random.split(jax.random.PRNGKey(s + K + W), 8)
-    kc = jax.random.normal(ks[0], (L, b, kh, s, d), jnp.float32).astype(dtype)
-    vc = jax.random.normal(ks[1], (L, b, kh, s, d), jnp.float32).astype(dtype)
-    qkv = (2.0 * jax.random.normal(ks[2], (b, 1, (n + 2 * kh) * d))).astype(dtype)
-    norms = (1.0 + 0.3 * jax.random.normal(ks[6], (2, d))).astype(dtype)
-    q_pos = jax.random.randint(ks[3], (b,), s // 2, s).at[0].set(s - 1)  # ragged; one at the end
+    kc = rand.normal(ks[0], (L, b, kh, s, d), jnp.float32).astype(dtype)
+    vc = rand.normal(ks[1], (L, b, kh, s, d), jnp.float32).astype(dtype)
+    qkv = (2.0 * rand.normal(ks[2], (b, 1, (n + 2 * kh) * d))).astype(dtype)
+    norms = (1.0 + 0.3 * rand.normal(ks[6], (2, d))).astype(dtype)
+    q_pos = rand.randint(ks[3], (b,), s // 2, s).at[0].set(s - 1)  # ragged; one at the end
     tail_start = jnp.maximum(q_pos - max(W - 3, 0), 0)
-    idx = jax.random.randint(ks[4], (L, b, K), 0, s // 2)
+    idx = rand.randint(ks[4], (L, b, K), 0, s // 2)
     # a selected entry at the query's own position must read the new K/V, not the stale row
     idx = idx.at[1, 1, 0].set(q_pos[1])
-    count = jax.random.randint(ks[5], (L, b), 1, K + 1).at[1].set(K)
+    count = rand.randint(ks[5], (L, b), 1, K + 1).at[1].set(K)
     pos = q_pos.astype(jnp.float32)[:, None, None]
     freqs = pos * (10000.0 ** (-jnp.arange(0, d, 2) / d))[None, None, :]
     emb = jnp.concatenate([freqs, freqs], axis=-1)
@@ -143,15 +144,15 @@ def test_sparse_step_matches_reference(case, with_x):
             tail_start, q_pos)
     kw = dict(tail_len=W, num_heads=n, qk_norm=qk_norm, eps=1e-6, idx_layer=jnp.int32(1))
     if with_x:
-        x = jax.random.normal(ks[7], (b, 3 * d // 2)) * jnp.linspace(0.2, 5.0, b)[:, None]
+        x = rand.normal(ks[7], (b, 3 * d // 2)) * jnp.linspace(0.2, 5.0, b)[:, None]
         kw["x"] = x.astype(dtype)
-    ref, rk, rv = sparse_step_reference(*args, **kw)
+    ref, rk, rv = compiled.call(sparse_step_reference, *args, **kw)
     # unsplit: a tail shorter than the list's blocks walks its own, smaller blocks
     sb = SparseBlocks(block_k=32 if unsplit else 16, target_programs=3 * b * kh)
     # split: the chunks combined by the Pallas kernel (with x) or by XLA (without)
     blocks = StepBlocks(split=sb, whole=sb, whole_from=1 if unsplit else 10**6,
                         combine_from=1 if with_x else 10**6)
-    out, ok_, ov = sparse_step(*args, **kw, interpret=True, blocks=blocks)
+    out, ok_, ov = compiled.call(sparse_step, *args, **kw, interpret=True, blocks=blocks)
     assert out.shape == ref.shape and out.dtype == ref.dtype
     tol = 2e-2 if dtype == jnp.bfloat16 else 1e-4
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32),
@@ -173,12 +174,12 @@ def test_sparse_step_padding_rows_output_zeros_and_touch_no_cache(unsplit):
     L, b, bq, kh, g, d, s, K, W = 2, 3, 8, 2, 2, 32, 200, 24, 9
     n = kh * g
     ks = jax.random.split(jax.random.PRNGKey(5), 7)
-    kc = jax.random.normal(ks[0], (L, b, kh, s, d))
-    vc = jax.random.normal(ks[1], (L, b, kh, s, d))
-    qkv = jax.random.normal(ks[2], (bq, 1, (n + 2 * kh) * d))
-    x = jax.random.normal(ks[3], (bq, 48))
+    kc = rand.normal(ks[0], (L, b, kh, s, d))
+    vc = rand.normal(ks[1], (L, b, kh, s, d))
+    qkv = rand.normal(ks[2], (bq, 1, (n + 2 * kh) * d))
+    x = rand.normal(ks[3], (bq, 48))
     q_pos = jnp.array([150, 199, 120])
-    idx = jax.random.randint(ks[4], (L, b, K), 0, 100)
+    idx = rand.randint(ks[4], (L, b, K), 0, 100)
     count = jnp.full((L, b), K)
     ang = q_pos[:, None, None] * jnp.ones((1, 1, d)) * 0.01
     rope = rope_halves(jnp.cos(ang), jnp.sin(ang))
@@ -187,9 +188,9 @@ def test_sparse_step_padding_rows_output_zeros_and_touch_no_cache(unsplit):
     kw = dict(tail_len=W, num_heads=n, qk_norm=True, idx_layer=jnp.int32(1))
     sb = SparseBlocks(block_k=16, target_programs=2 * b * kh)
     blocks = StepBlocks(split=sb, whole=sb, whole_from=1 if unsplit else 10**6, combine_from=1)
-    out, ok_, ov = sparse_step(qkv, *args, **kw, x=x, interpret=True, blocks=blocks)
-    one, k1, v1 = sparse_step(qkv[:b], *args, **kw, x=x[:b], interpret=True, blocks=blocks)
-    ref, rk, rv = sparse_step_reference(qkv, *args, **kw, x=x)
+    out, ok_, ov = compiled.call(sparse_step, qkv, *args, **kw, x=x, interpret=True, blocks=blocks)
+    one, k1, v1 = compiled.call(sparse_step, qkv[:b], *args, **kw, x=x[:b], interpret=True, blocks=blocks)
+    ref, rk, rv = compiled.call(sparse_step_reference, qkv, *args, **kw, x=x)
     assert out.shape == ref.shape == (bq, 1, kh, g, d)
     np.testing.assert_allclose(np.asarray(out[:b]), np.asarray(one), rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-4, atol=1e-4)
@@ -241,15 +242,15 @@ def test_combine_step_splits_matches_combine_splits(case):
     bq, kh, J, g, d, dtype = case
     rows = pow2_at_least(g)
     ks = jax.random.split(jax.random.PRNGKey(J * 10 + g), 4)
-    o = jax.random.normal(ks[0], (bq, kh, J, rows, d))  # [b, k, J, R, d]
-    m = 3.0 * jax.random.normal(ks[1], (bq, kh, J, rows))  # [b, k, J, R]
-    l = jax.random.uniform(ks[2], (bq, kh, J, rows), minval=0.5, maxval=8.0)
-    empty = jax.random.bernoulli(ks[3], 0.3, (bq, kh, J)).at[0, 0].set(True)  # [b, k, J]
+    o = rand.normal(ks[0], (bq, kh, J, rows, d))  # [b, k, J, R, d]
+    m = 3.0 * rand.normal(ks[1], (bq, kh, J, rows))  # [b, k, J, R]
+    l = rand.uniform(ks[2], (bq, kh, J, rows), minval=0.5, maxval=8.0)
+    empty = rand.bernoulli(ks[3], 0.3, (bq, kh, J)).at[0, 0].set(True)  # [b, k, J]
     m = jnp.where(empty[..., None], NEG, m)
     l = jnp.where(empty[..., None], 0.0, l)
     o = jnp.where(empty[..., None, None], 0.0, o)
-    ref = np.asarray(combine_splits(o, m, l)[0][:, :, :g].astype(dtype), np.float32)
-    out = combine_step_splits(o, m, l, g, dtype, interpret=True)
+    ref = np.asarray(compiled.call(combine_splits, o, m, l)[0][:, :, :g].astype(dtype), np.float32)
+    out = compiled.call(combine_step_splits, o, m, l, g, dtype, interpret=True)
     assert out.shape == (bq, kh, g, d) and out.dtype == dtype
     out = np.asarray(out, np.float32)
     assert not out[0, 0].any()

@@ -22,6 +22,7 @@ from vegas_jax.selection import Quest, Stream
 from vegas_jax.speculative import SpecConfig
 from vegas_jax.speculative import speculative_generate
 from tests.tiny import tiny_model
+from tests import rand
 
 METHODS = ["vegas", "vegas-paper", "vegas-all", "vegas-heads", "last", "stream", "quest"]
 XLA = ExecConfig(attn="xla", gemm="triton", layers="scan")
@@ -269,7 +270,7 @@ def test_selection_prefix_is_the_exact_top_count():
 
     spec = SpecConfig(gamma=4, sparsity=0.07, min_tokens=8)
     max_len = 1024
-    scores = jax.random.normal(jax.random.PRNGKey(0), (3, 2, max_len))
+    scores = rand.normal(jax.random.PRNGKey(0), (3, 2, max_len))
     r_end = jnp.array([400, 1000])
     idx, count = sel.select_topk(scores, r_end, spec, max_len)
     assert idx.shape[-1] == sel.max_budget(spec, max_len) == 72
@@ -288,7 +289,7 @@ def test_window_keeps_sink_and_recent_inside_the_budget():
     count (the bytes a draft reads) is the paper selector's."""
     spec = SpecConfig(gamma=4, sparsity=0.07, min_tokens=8)
     max_len = 1024
-    scores = jax.random.uniform(jax.random.PRNGKey(3), (2, 2, max_len))
+    scores = rand.uniform(jax.random.PRNGKey(3), (2, 2, max_len))
     scores = scores.at[:, :, :4].set(-1.0).at[:, 0, 395:401].set(-1.0)  # worst scores
     n = jnp.array([400, 1000])
     win = sel.VerifyGuided("pair", sink=4, recent=6)

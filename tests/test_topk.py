@@ -4,12 +4,13 @@ import numpy as np
 import pytest
 
 from pallas_kernels.topk import blockwise_topk
+from tests import rand
 
 
 @pytest.mark.parametrize("b,s,k,block", [(2, 5000, 350, 512), (3, 4096, 287, 1024),
                                          (1, 777, 60, 128)])
 def test_blockwise_topk_exact(b, s, k, block):
-    x = jax.random.normal(jax.random.PRNGKey(s), (b, s))
+    x = rand.normal(jax.random.PRNGKey(s), (b, s))
     v, i = blockwise_topk(x, k, block=block)
     rv, ri = jax.lax.top_k(x, k)
     for r in range(b):
@@ -19,7 +20,7 @@ def test_blockwise_topk_exact(b, s, k, block):
 
 def test_blockwise_topk_fallback():
     """All winners crowd one block: the check must fall back to the exact top-k."""
-    x = jax.random.uniform(jax.random.PRNGKey(0), (2, 4096))
+    x = rand.uniform(jax.random.PRNGKey(0), (2, 4096))
     x = x.at[:, :300].add(10.0)
     _, i = blockwise_topk(x, 280, block=512)
     assert set(np.asarray(i[0]).tolist()) == set(np.asarray(jax.lax.top_k(x, 280)[1][0]).tolist())
@@ -49,7 +50,7 @@ def test_sortable_keys_order():
 @pytest.mark.parametrize("how,radix_bits", [("sep", 2), ("sep", 4), ("minor", 4),
                                             ("major", 8)])
 def test_select_topk_fast_random(how, radix_bits):
-    x = jax.random.normal(jax.random.PRNGKey(1), (3, 2, 700))  # [L, b, s], one call
+    x = rand.normal(jax.random.PRNGKey(1), (3, 2, 700))  # [L, b, s], one call
     k = 49
     idx = select_topk_fast(x, k, radix_bits=radix_bits, count_impl=how)
     assert idx.shape == (3, 2, k) and idx.dtype == jnp.int32
@@ -64,7 +65,7 @@ def test_select_topk_fast_masked_ties_and_short_rows():
     """-inf (masked) positions, rows with fewer finite entries than k, heavy ties, k = s
     and k = 1, a length that is no multiple of the 128-block."""
     s, k = 333, 40
-    x = jnp.round(jax.random.uniform(jax.random.PRNGKey(2), (5, s)) * 8) / 8  # ties
+    x = jnp.round(rand.uniform(jax.random.PRNGKey(2), (5, s)) * 8) / 8  # ties
     ranked = jnp.array([s, 200, 25, 0, 1])  # row r keeps positions < ranked[r]
     x = jnp.where(jnp.arange(s)[None, :] < ranked[:, None], x, -jnp.inf)
     x = x.at[4, 7].set(-0.0)
@@ -88,7 +89,7 @@ def test_select_topk_fast_lowers_for_cuda():
 def test_select_topk_fast_counts_per_row():
     """counts[r] < k: row r's first counts[r] slots are its counts[r] largest, by position,
     and the slots after them hold position 0."""
-    x = jax.random.normal(jax.random.PRNGKey(3), (2, 3, 500))
+    x = rand.normal(jax.random.PRNGKey(3), (2, 3, 500))
     counts = jnp.array([[60, 1, 33], [64, 17, 64]])
     idx = np.asarray(select_topk_fast(x, 64, counts=counts))
     for r in range(2):
@@ -108,7 +109,7 @@ def test_kth_largest_key_kernel_matches_the_count_passes(r, s, tile):
     select_topk_fast the index sets are identical."""
     from pallas_kernels.topk import kth_largest_key, kth_largest_key_pallas
 
-    x = jax.random.normal(jax.random.PRNGKey(r), (r, s))
+    x = rand.normal(jax.random.PRNGKey(r), (r, s))
     x = x.at[0, :20].set(-jnp.inf).at[1, 10:20].set(x[1, 5]).at[2, 3].set(-0.0)
     k = jnp.array([1, s, 7, 12, 2, 3])[:r] % s + 1
     got = kth_largest_key_pallas(x, k, tile=tile, interpret=True)
@@ -126,7 +127,7 @@ def test_long_rows_keep_the_xla_threshold():
     kernel is asked for (on the CPU a Pallas call without interpret mode would raise)."""
     from pallas_kernels.topk import PALLAS_MAX_KEYS
 
-    x = jax.random.normal(jax.random.PRNGKey(3), (2, PALLAS_MAX_KEYS + 5))
+    x = rand.normal(jax.random.PRNGKey(3), (2, PALLAS_MAX_KEYS + 5))
     _check_topk(x, select_topk_fast(x, 40, threshold="pallas"), 40)
     with pytest.raises(ValueError, match="interpret"):
         select_topk_fast(x[:, :100], 40, threshold="pallas")
@@ -137,7 +138,7 @@ def test_fused_select_kernel_matches_the_xla_compaction(r, s, kk):
     """Threshold and compaction in one kernel (interpret mode): the same index lists as
     the XLA compaction, per-row counts, -inf, ties and -0.0 included, zeros after each
     row's count."""
-    x = jax.random.normal(jax.random.PRNGKey(s), (r, s))
+    x = rand.normal(jax.random.PRNGKey(s), (r, s))
     x = x.at[0, :20].set(-jnp.inf).at[1, 10:40].set(x[1, 5]).at[2, 3].set(-0.0)
     counts = (jnp.arange(r) * 7) % kk + 1
     got = select_topk_fast(x, kk, counts=counts, threshold="fused", interpret=True)

@@ -10,13 +10,14 @@ import pytest
 from pallas_kernels.verify_attention import (
     VerifyBlocks, _verify_call, verify_attention, verify_attention_reference)
 from tests.cuda import lower_cuda
+from tests import compiled, rand
 
 
 def _inputs(seed, L, b, kh, g, d, s, t, dtype, base):
     ks = jax.random.split(jax.random.PRNGKey(seed), 3)
-    kc = jax.random.normal(ks[0], (L, b, kh, s, d), jnp.float32).astype(dtype)
-    vc = jax.random.normal(ks[1], (L, b, kh, s, d), jnp.float32).astype(dtype)
-    q = (2.0 * jax.random.normal(ks[2], (b, t, kh, g, d), jnp.float32)).astype(dtype)
+    kc = rand.normal(ks[0], (L, b, kh, s, d), jnp.float32).astype(dtype)
+    vc = rand.normal(ks[1], (L, b, kh, s, d), jnp.float32).astype(dtype)
+    q = (2.0 * rand.normal(ks[2], (b, t, kh, g, d), jnp.float32)).astype(dtype)
     q_pos = jnp.asarray(base, jnp.int32)[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     return q, kc, vc, q_pos
 
@@ -69,8 +70,8 @@ def test_verify_matches_reference(case):
     kw = dict(capture=capture, capture_rows=rows, score=score)
     # small blocks/splits so several key splits and blocks (and a ragged last one) run
     blocks = VerifyBlocks(block_k=16, min_split=32, target_programs=4 * b * kh)
-    out = verify_attention(q, kc, vc, layer, q_pos, interpret=True, blocks=blocks, **kw)
-    ref = verify_attention_reference(q, kc, vc, layer, q_pos, **kw)
+    out = compiled.call(verify_attention, q, kc, vc, layer, q_pos, interpret=True, blocks=blocks, **kw)
+    ref = compiled.call(verify_attention_reference, q, kc, vc, layer, q_pos, **kw)
     _check(out, ref, dtype)
 
 
@@ -83,9 +84,9 @@ def test_capture_from_the_main_product(case):
     q, kc, vc, q_pos = _inputs(len(base) + s, L, b, kh, g, d, s, gamma + 1, dtype, base)
     kw = dict(capture=capture, capture_rows=rows, score=score)
     blocks = VerifyBlocks(block_k=16, min_split=32, target_programs=4 * b * kh, cap_from="main")
-    out = verify_attention(q, kc, vc, jnp.int32(L - 1), q_pos, interpret=True, blocks=blocks,
+    out = compiled.call(verify_attention, q, kc, vc, jnp.int32(L - 1), q_pos, interpret=True, blocks=blocks,
                            **kw)
-    _check(out, verify_attention_reference(q, kc, vc, jnp.int32(L - 1), q_pos, **kw), dtype)
+    _check(out, compiled.call(verify_attention_reference, q, kc, vc, jnp.int32(L - 1), q_pos, **kw), dtype)
 
 
 # gpt-oss: a sliding window (narrower than the cache, so whole key blocks and splits fall
@@ -106,21 +107,21 @@ WINDOW_CASES = [  # (b, kh, g, s, t, base, window, capture, rows, score, dtype)
 def test_window_and_sinks_match_reference(case):
     b, kh, g, s, t, base, window, capture, rows, score, dtype = case
     q, kc, vc, q_pos = _inputs(s + t, 2, b, kh, g, 64, s, t, dtype, base)
-    sinks = 2.0 * jax.random.normal(jax.random.PRNGKey(t), (kh, g), jnp.float32)
+    sinks = 2.0 * rand.normal(jax.random.PRNGKey(t), (kh, g), jnp.float32)
     kw = dict(capture=capture, capture_rows=rows, score=score, sinks=sinks,
               window=jnp.int32(window))
     blocks = VerifyBlocks(block_k=16, min_split=32, target_programs=4 * b * kh, max_rows=16,
                           row_block=32)
     layer = jnp.int32(1)
-    out = verify_attention(q, kc, vc, layer, q_pos, interpret=True, blocks=blocks, **kw)
-    ref = verify_attention_reference(q, kc, vc, layer, q_pos, **kw)
+    out = compiled.call(verify_attention, q, kc, vc, layer, q_pos, interpret=True, blocks=blocks, **kw)
+    ref = compiled.call(verify_attention_reference, q, kc, vc, layer, q_pos, **kw)
     _check(out, ref, dtype)
     if capture != "none" and score == "weight":  # the XLA epilogue agrees too
-        out = verify_attention(q, kc, vc, layer, q_pos, interpret=True, blocks=blocks,
+        out = compiled.call(verify_attention, q, kc, vc, layer, q_pos, interpret=True, blocks=blocks,
                                epilogue="xla", **kw)
         _check(out, ref, dtype)
     # the sinks and the window are both felt: without them the output differs
-    plain = verify_attention_reference(q, kc, vc, layer, q_pos, capture=capture,
+    plain = compiled.call(verify_attention_reference, q, kc, vc, layer, q_pos, capture=capture,
                                        capture_rows=rows, score=score)
     assert np.abs(np.asarray(plain[0], np.float32) - np.asarray(ref[0], np.float32)).max() > 0.05
 
@@ -133,8 +134,8 @@ def test_prefill_query_blocks(capture, score):
     q, kc, vc, q_pos = _inputs(3, L, b, kh, g, d, s, t, jnp.float32, (0, 50))
     kw = dict(capture=capture, capture_rows=(t - 1, 0), score=score)
     blocks = VerifyBlocks(max_rows=16, row_block=32, block_k=16)
-    out = verify_attention(q, kc, vc, jnp.int32(0), q_pos, interpret=True, blocks=blocks, **kw)
-    ref = verify_attention_reference(q, kc, vc, jnp.int32(0), q_pos, **kw)
+    out = compiled.call(verify_attention, q, kc, vc, jnp.int32(0), q_pos, interpret=True, blocks=blocks, **kw)
+    ref = compiled.call(verify_attention_reference, q, kc, vc, jnp.int32(0), q_pos, **kw)
     _check(out, ref, jnp.float32)
 
 
@@ -243,15 +244,15 @@ def test_capture_scores_kernel_matches_reference(capture, rows, reduce, cols):
     n_cap = len(uniq) * g
     r = kh * n_cap
     ks = jax.random.split(jax.random.PRNGKey(4), 3)
-    cbuf = (4 * jax.random.normal(ks[0], (b * r + 8, 384))).astype(jnp.float16)
+    cbuf = (4 * rand.normal(ks[0], (b * r + 8, 384))).astype(jnp.float16)
     cbuf = cbuf.at[-8:].set(jnp.inf)  # spare rows: never read
-    lse = 3.0 + jax.random.normal(ks[1], (b, r))
+    lse = 3.0 + rand.normal(ks[1], (b, r))
     pos = jnp.array([[250, 253], [10, 13], [-1, -1]])[:, :len(uniq)]  # last: finished
     rowpos = jnp.tile(jnp.repeat(pos, g, axis=1), (1, kh))
     w = _capture_weights(capture, kh, g, uniq, list(rows), mult)
-    ref = capture_scores_reference(cbuf, lse, rowpos, w, s)
+    ref = compiled.call(capture_scores_reference, cbuf, lse, rowpos, w, s)
     blocks = CaptureBlocks(block_s=128, reduce=reduce, cols=cols)  # cols: 2 steps a program
-    got = capture_scores(cbuf, lse, rowpos, w, s, blocks=blocks, interpret=True)
+    got = compiled.call(capture_scores, cbuf, lse, rowpos, w, s, blocks=blocks, interpret=True)
     assert got.shape == ref.shape == (b, w.shape[0], s)
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-6)
     assert np.abs(np.asarray(ref[1, :, 14:])).max() == 0  # past the rows' positions
@@ -276,16 +277,16 @@ def test_capture_into_a_stacked_buffer(cap_from):
     offsets = []
     for layer in range(L):
         ql = q * (1.0 + 0.1 * layer)  # layers differ
-        out, (buf, off) = verify_attention(ql, kc, vc, jnp.int32(layer), q_pos,
+        out, (buf, off) = compiled.call(verify_attention, ql, kc, vc, jnp.int32(layer), q_pos,
                                            capture_into=buf, **kw)
-        ref_out, ref_sc = verify_attention(ql, kc, vc, jnp.int32(layer), q_pos, **kw)
+        ref_out, ref_sc = compiled.call(verify_attention, ql, kc, vc, jnp.int32(layer), q_pos, **kw)
         np.testing.assert_array_equal(np.asarray(out), np.asarray(ref_out))
         offsets.append(off)
     offsets = jnp.stack(offsets)  # [L, b, kh * 2g]
-    score = _scores_reference(buf, offsets, q_pos[:, 0], s, None, 0.0)  # [L, b, s]
+    score = compiled.call(_scores_reference, buf, offsets, q_pos[:, 0], s, None, 0.0)  # [L, b, s]
     for layer in range(L):
         ql = q * (1.0 + 0.1 * layer)
-        _, ref_sc = verify_attention(ql, kc, vc, jnp.int32(layer), q_pos, **kw)
+        _, ref_sc = compiled.call(verify_attention, ql, kc, vc, jnp.int32(layer), q_pos, **kw)
         ranked = np.arange(s)[None, :] <= np.asarray(q_pos[:, :1])
         want = np.where(ranked, np.asarray(ref_sc), -np.inf)
         np.testing.assert_allclose(np.asarray(score[layer]), want, rtol=1e-5, atol=1e-7)
