@@ -317,11 +317,6 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
                    help="criticality score: softmax weights or raw logits")
     p.add_argument("--exact", action="store_true",
                    help="SpecConfig(exact=True): the verify row by row as plain decode steps")
-    p.add_argument("--plain-tail", default="on", choices=("on", "off", "both"),
-                   help="on: a fixed method's batch finishes with plain steps once at most "
-                        "batch x sparsity sequences are still decoding "
-                        "(SpecConfig.plain_tail); off: speculative rounds to the end; both: "
-                        "every speculative method runs both ways, side by side")
     add_sampling_args(p)
 
 
@@ -414,21 +409,16 @@ def run(args, model=None) -> list[dict]:
                   else [args.sparsity])
     if not all(0 < s <= 1 for s in sparsities):  # before any run, not after vanilla's
         raise ValueError(f"sparsity must be in (0, 1], got {sparsities}")
-    tails = {"on": [True], "off": [False], "both": [True, False]}[args.plain_tail]
-    fixed = lambda m: m not in ("vanilla", "auto")  # noqa: E731
-    runs = [(m, g, s, t) for m in methods
-            for g in (gammas if fixed(m) else [args.gamma])
-            for s in (sparsities if fixed(m) else [args.sparsity])
-            for t in (tails if fixed(m) else tails[:1])]
+    runs = [(m, g, s) for m in methods
+            for g in (gammas if m not in ("vanilla", "auto") else [args.gamma])
+            for s in (sparsities if m not in ("vanilla", "auto") else [args.sparsity])]
     ref_tokens = None
-    for m, g, s, t in tqdm(runs, desc="methods", file=sys.stderr, disable=args.json):
+    for m, g, s in tqdm(runs, desc="methods", file=sys.stderr, disable=args.json):
         gc.collect()  # the previous run's cache and state (some in reference cycles) go now
         spec = SpecConfig(method=m if m != "vanilla" else "vegas", gamma=g,
                           sparsity=s, min_tokens=args.min_tokens, score=args.score,
-                          exact=args.exact, plain_tail=t)
-        # both ways side by side: the runs without the plain tail are named for it
-        row = {"method": m + ("" if t or not fixed(m) else " (no plain tail)"),
-               "gamma": g if m != "vanilla" else 0}
+                          exact=args.exact)
+        row = {"method": m, "gamma": g if m != "vanilla" else 0}
         if m != "vanilla":
             row["sparsity"] = s
         if not profile_only:
@@ -444,8 +434,7 @@ def run(args, model=None) -> list[dict]:
                        dispatch_ms_per_call=st["dispatch_ms_per_call"],
                        call_ms=st["call_ms"], active_by_call=st["active_by_call"],
                        rounds_by_sequence=st.get("rounds_by_sequence"),
-                       accepted_by_call=st.get("accepted_by_call"),
-                       tail_plain_calls=st.get("tail_plain_calls"))
+                       accepted_by_call=st.get("accepted_by_call"))
             if "auto" in st:
                 row["auto"] = st["auto"]
             if m == "vanilla":
@@ -487,10 +476,8 @@ def tail_line(row, batch: int) -> str:
         ms = [m for m, a in zip(row["call_ms"], row["active_by_call"]) if m is not None and sel(a)]
         return f"{sum(ms) / len(ms):.2f} ms ({len(ms)} calls)" if ms else "-"
     s = f" s{row['sparsity']:g}" if row.get("sparsity") is not None else ""
-    plain = (f", plain-step calls {row['tail_plain_calls']}" if row.get("tail_plain_calls")
-             else "")
     return (f"tail {row['method']} g{row.get('gamma')}{s}: all {batch} active {mean(lambda a: a == batch)}, "
-            f"<= {batch // 4} active {mean(lambda a: a <= batch // 4)}{plain}")
+            f"<= {batch // 4} active {mean(lambda a: a <= batch // 4)}")
 
 
 def format_table(rows, gamma) -> str:

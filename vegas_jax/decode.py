@@ -55,10 +55,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="verify row by row as plain decode steps: greedy output equals plain "
                    "decoding bit for bit in bf16 too, at the cost of reading the weights and "
                    "the cache once a verify row")
-    p.add_argument("--no-plain-tail", dest="plain_tail", action="store_false",
-                   help="keep running speculative rounds to the end; by default a fixed "
-                        "method's batch finishes with plain steps once at most batch x "
-                        "sparsity sequences are still decoding (SpecConfig.plain_tail)")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object (tokens, text, stats) instead of streaming")
     return p
@@ -119,8 +115,7 @@ def run(args) -> int:
             cfg.with_context(args.max_context)
     sampling = sampling_from_args(args)
     spec = SpecConfig(method=args.method, gamma=args.gamma, sparsity=args.sparsity,
-                      min_tokens=args.min_tokens, score=args.score, exact=args.exact,
-                      plain_tail=args.plain_tail)
+                      min_tokens=args.min_tokens, score=args.score, exact=args.exact)
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     for f in args.prompt_file or []:

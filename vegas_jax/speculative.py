@@ -44,15 +44,6 @@ class SpecConfig:
     shapes, kernels and reduction order), so greedy output equals plain decoding's at the
     same batch size bit for bit in any dtype (bf16 included), at the cost of reading the
     weights and the KV cache once a verify row instead of once a verify.
-    plain_tail: a batch of a fixed method finishes with plain decoding steps once at most
-    floor(batch × sparsity) of its sequences are still decoding (while no prompt waits for
-    a slot): those sequences' whole caches are then no more bytes than a full batch's
-    draft step reads, so a step is bound by its launches and weights, a draft step costs
-    what a plain step does, and a round of gamma drafts and a verify costs about gamma + 1
-    plain steps for tau < gamma + 1 tokens. It matters most where one sequence drafts
-    badly and the batch waits for it alone (sampled, B 64 / 128: BENCHMARKS.md
-    2026-12-05 c). Off below 1 / sparsity sequences; `auto` chooses plain steps by its own
-    cost model instead.
     """
 
     method: Method | str = "vegas"
@@ -61,7 +52,6 @@ class SpecConfig:
     min_tokens: int = 256
     score: str = "weight"
     exact: bool = False
-    plain_tail: bool = True
 
     def __post_init__(self):
         object.__setattr__(self, "method", method_named(self.method))
@@ -73,16 +63,7 @@ class SpecConfig:
             raise ValueError(f"min_tokens must be a whole number >= 1, got {self.min_tokens}")
         if self.score not in SCORES:
             raise ValueError(f"score must be one of {SCORES}, got {self.score!r}")
-        if not isinstance(self.plain_tail, bool):
-            raise TypeError(f"plain_tail must be a bool, got {self.plain_tail!r}")
         self.method.check(self)
-
-    def tail_size(self, batch: int) -> int:
-        """Sequences still decoding at or below which `plain_tail` switches a fixed
-        method's batch to plain steps (0: never)."""
-        if not self.plain_tail or isinstance(self.method, Auto):
-            return 0
-        return int(batch * self.sparsity)
 
     @property
     def name(self) -> str:
@@ -665,8 +646,7 @@ def speculative_generate(
 
     tally = {"accepted_at": np.zeros(gamma, np.int64), "rounds": 0, "emitted": 0, "calls": 0,
              "seq_rounds": np.zeros(len(ids), np.int64),
-             "seq_emitted": np.zeros(len(ids), np.int64), "accepted_by_call": [],
-             "plain_calls": 0}
+             "seq_emitted": np.zeros(len(ids), np.int64), "accepted_by_call": []}
 
     def count(out, ready_at=None, wait_s=None):
         _, _, n_acc, was_active = out
@@ -686,28 +666,18 @@ def speculative_generate(
         tally["emitted"] += int((n_acc + 1).sum())
         tally["accepted_at"] += (n_acc[:, None] > np.arange(gamma)[None, :]).sum(0)
 
-    tail = spec.tail_size(batch)  # plain steps once this few decode (`SpecConfig.plain_tail`)
-    runners = {}
-
     def step(st):
-        if auto is not None:
-            return auto.run(auto.choose(), st)
-        live = int((~collector.done).sum())  # as of the last output read
-        waiting = refill is not None and refill.waiting
-        if tail and 0 < live <= tail and live < batch and not waiting:
-            tally["plain_calls"] += 1
-            return runners[0](st)
-        st, *out = spec_round(model.params, cfg, xc, st, spec, sampling)
-        return st, tuple(out)
+        if auto is None:
+            st, *out = spec_round(model.params, cfg, xc, st, spec, sampling)
+            return st, tuple(out)
+        return auto.run(auto.choose(), st)
 
-    if auto is not None or tail:
-        base = auto.spec if auto is not None else spec
-
+    if auto is not None:
         def call(config):  # (jitted function, its static arguments after the state)
             if config == 0:  # plain decoding on the same cache; the selection goes stale
-                low = dataclasses.replace(base, gamma=min(auto.gammas) if auto else spec.gamma)
+                low = dataclasses.replace(auto.spec, gamma=min(auto.gammas))
                 return plain_steps, (low, sampling, AutoController.VANILLA_STEPS)
-            return spec_round, (dataclasses.replace(base, gamma=config), sampling)
+            return spec_round, (dataclasses.replace(auto.spec, gamma=config), sampling)
 
         def make(config):
             # the jitted functions themselves, dispatched like the other methods' rounds
@@ -742,14 +712,7 @@ def speculative_generate(
             w["state"], _ = run(w["state"])
             return True
 
-        if auto is not None:
-            auto.prepare(make, warm)
-        else:  # the round and the plain steps built, and their command buffers recorded,
-            # before decoding: a first plain call in the batch's tail would compile there
-            runners.update((c, make(c)) for c in (spec.gamma, 0))
-            for again in (False, True):
-                for run in runners.values():
-                    warm(run, again)
+        auto.prepare(make, warm)
         state = jax.block_until_ready(_restored(warming["state"], warming["saved"], True))
 
     def prefill_some(prompts, rows):  # waiting prompts, prefilled together for free slots
@@ -782,9 +745,6 @@ def speculative_generate(
         "prefill_s": prefill_s,
         **clock.stats(),
         "rounds": tally["calls"],  # speculative rounds (auto also makes plain-step calls)
-        # calls of plain steps that finished the batch's last sequences (`plain_tail`)
-        "tail_plain_calls": tally["plain_calls"],
-        "tail_size": tail,
         # tau = mean acceptance length (accepted drafts + 1 per round); acceptance by
         # position i: cumulative = P(drafts 1..i all accepted), conditional = P(draft i
         # accepted | drafts 1..i-1 accepted, draft i made). `acceptance_by_position` is the
