@@ -18,7 +18,9 @@ from __future__ import annotations
 import argparse
 import json
 
-STEPS = 8  # plain steps a call (AutoController.VANILLA_STEPS)
+from vegas_jax.speculative import AutoController
+
+STEPS = AutoController.VANILLA_STEPS  # plain steps a call, as auto's plain calls make
 
 
 def replay(row: dict, sparsity: float, plain_ms: float, per_seq_ms: float) -> dict | None:

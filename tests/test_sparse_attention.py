@@ -50,12 +50,12 @@ def test_sparse_matches_reference(case):
         idx = jnp.stack([junk, idx, junk])
         count = jnp.stack([jnp.ones_like(count), count, jnp.ones_like(count)])
         kw["idx_layer"] = jnp.int32(1)
-        ref2 = compiled.call(sparse_attention_reference, q, kc, vc, layer, idx, count, tail_start, q_pos,
-                                          tail_len=W, **kw)
+        ref2 = compiled.call(sparse_attention_reference, q, kc, vc, layer, idx, count,
+                             tail_start, q_pos, tail_len=W, **kw)
         np.testing.assert_array_equal(np.asarray(ref2), np.asarray(ref))
-    out = compiled.call(sparse_attention, q, kc, vc, layer, idx, count, tail_start, q_pos, tail_len=W,
-                           interpret=True, **kw,
-                           blocks=SparseBlocks(block_k=16, target_programs=3 * b * kh))
+    out = compiled.call(sparse_attention, q, kc, vc, layer, idx, count, tail_start, q_pos,
+                        tail_len=W, interpret=True, **kw,
+                        blocks=SparseBlocks(block_k=16, target_programs=3 * b * kh))
     assert out.shape == ref.shape and out.dtype == ref.dtype
     out = np.asarray(out, np.float32)
     assert np.isfinite(out).all()  # interpret mode starts outputs as NaN
@@ -188,8 +188,10 @@ def test_sparse_step_padding_rows_output_zeros_and_touch_no_cache(unsplit):
     kw = dict(tail_len=W, num_heads=n, qk_norm=True, idx_layer=jnp.int32(1))
     sb = SparseBlocks(block_k=16, target_programs=2 * b * kh)
     blocks = StepBlocks(split=sb, whole=sb, whole_from=1 if unsplit else 10**6, combine_from=1)
-    out, ok_, ov = compiled.call(sparse_step, qkv, *args, **kw, x=x, interpret=True, blocks=blocks)
-    one, k1, v1 = compiled.call(sparse_step, qkv[:b], *args, **kw, x=x[:b], interpret=True, blocks=blocks)
+    out, ok_, ov = compiled.call(sparse_step, qkv, *args, **kw, x=x, interpret=True,
+                                 blocks=blocks)
+    one, k1, v1 = compiled.call(sparse_step, qkv[:b], *args, **kw, x=x[:b], interpret=True,
+                                blocks=blocks)
     ref, rk, rv = compiled.call(sparse_step_reference, qkv, *args, **kw, x=x)
     assert out.shape == ref.shape == (bq, 1, kh, g, d)
     np.testing.assert_allclose(np.asarray(out[:b]), np.asarray(one), rtol=1e-6, atol=1e-6)

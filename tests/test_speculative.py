@@ -44,10 +44,10 @@ def vanilla(tiny, prompts):
     return generate(tiny, prompts, 48)
 
 
-# score="logit" only for the methods that capture verify scores: stream and quest capture
-# nothing (Method.capture is None), so SpecConfig.score never reaches their programs and a
+# score="logit" only for the methods that capture verify scores: for the others (stream,
+# quest: Method.capture is None) SpecConfig.score never reaches their programs, and a
 # logit case of theirs would compile and run the weight case's program again.
-CAPTURING = [m for m in METHODS if m not in ("stream", "quest")]
+CAPTURING = [m for m in METHODS if sel.method_named(m).capture(SpecConfig()) is not None]
 
 
 @pytest.mark.parametrize("method,score", [(m, "weight") for m in METHODS]

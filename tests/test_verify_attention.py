@@ -70,7 +70,8 @@ def test_verify_matches_reference(case):
     kw = dict(capture=capture, capture_rows=rows, score=score)
     # small blocks/splits so several key splits and blocks (and a ragged last one) run
     blocks = VerifyBlocks(block_k=16, min_split=32, target_programs=4 * b * kh)
-    out = compiled.call(verify_attention, q, kc, vc, layer, q_pos, interpret=True, blocks=blocks, **kw)
+    out = compiled.call(verify_attention, q, kc, vc, layer, q_pos, interpret=True,
+                        blocks=blocks, **kw)
     ref = compiled.call(verify_attention_reference, q, kc, vc, layer, q_pos, **kw)
     _check(out, ref, dtype)
 
@@ -84,9 +85,10 @@ def test_capture_from_the_main_product(case):
     q, kc, vc, q_pos = _inputs(len(base) + s, L, b, kh, g, d, s, gamma + 1, dtype, base)
     kw = dict(capture=capture, capture_rows=rows, score=score)
     blocks = VerifyBlocks(block_k=16, min_split=32, target_programs=4 * b * kh, cap_from="main")
-    out = compiled.call(verify_attention, q, kc, vc, jnp.int32(L - 1), q_pos, interpret=True, blocks=blocks,
-                           **kw)
-    _check(out, compiled.call(verify_attention_reference, q, kc, vc, jnp.int32(L - 1), q_pos, **kw), dtype)
+    out = compiled.call(verify_attention, q, kc, vc, jnp.int32(L - 1), q_pos, interpret=True,
+                        blocks=blocks, **kw)
+    ref = compiled.call(verify_attention_reference, q, kc, vc, jnp.int32(L - 1), q_pos, **kw)
+    _check(out, ref, dtype)
 
 
 # gpt-oss: a sliding window (narrower than the cache, so whole key blocks and splits fall
@@ -113,12 +115,13 @@ def test_window_and_sinks_match_reference(case):
     blocks = VerifyBlocks(block_k=16, min_split=32, target_programs=4 * b * kh, max_rows=16,
                           row_block=32)
     layer = jnp.int32(1)
-    out = compiled.call(verify_attention, q, kc, vc, layer, q_pos, interpret=True, blocks=blocks, **kw)
+    out = compiled.call(verify_attention, q, kc, vc, layer, q_pos, interpret=True,
+                        blocks=blocks, **kw)
     ref = compiled.call(verify_attention_reference, q, kc, vc, layer, q_pos, **kw)
     _check(out, ref, dtype)
     if capture != "none" and score == "weight":  # the XLA epilogue agrees too
-        out = compiled.call(verify_attention, q, kc, vc, layer, q_pos, interpret=True, blocks=blocks,
-                               epilogue="xla", **kw)
+        out = compiled.call(verify_attention, q, kc, vc, layer, q_pos, interpret=True,
+                            blocks=blocks, epilogue="xla", **kw)
         _check(out, ref, dtype)
     # the sinks and the window are both felt: without them the output differs
     plain = compiled.call(verify_attention_reference, q, kc, vc, layer, q_pos, capture=capture,
@@ -134,7 +137,8 @@ def test_prefill_query_blocks(capture, score):
     q, kc, vc, q_pos = _inputs(3, L, b, kh, g, d, s, t, jnp.float32, (0, 50))
     kw = dict(capture=capture, capture_rows=(t - 1, 0), score=score)
     blocks = VerifyBlocks(max_rows=16, row_block=32, block_k=16)
-    out = compiled.call(verify_attention, q, kc, vc, jnp.int32(0), q_pos, interpret=True, blocks=blocks, **kw)
+    out = compiled.call(verify_attention, q, kc, vc, jnp.int32(0), q_pos, interpret=True,
+                        blocks=blocks, **kw)
     ref = compiled.call(verify_attention_reference, q, kc, vc, jnp.int32(0), q_pos, **kw)
     _check(out, ref, jnp.float32)
 
