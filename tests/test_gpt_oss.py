@@ -144,12 +144,13 @@ def test_greedy_generate_matches_transformers(tiny_oss, prompts, vanilla):
 # Left out to keep the file's compile time down (each method compiles its own round,
 # ~5 s on the CPU): vegas-all, vegas-accepted and vegas-window (vegas-paper's path with
 # other verify rows or forced positions), vegas-entropy (pool's budget split prologue),
-# vegas-prefill (vegas with more prefill capture rows), auto (a base method's rounds and
+# vegas-prefill (vegas with more prefill capture rows), vegas-first / -final (vegas's path
+# with one capture row), auto (a base method's rounds and
 # plain decoding steps).
 SPEC_METHODS = ["vegas", "vegas-paper", "vegas-heads", "vegas-pool", "last", "stream",
                 "quest", "vanilla"]
 OTHER_METHODS = {"vegas-all", "vegas-accepted", "vegas-window", "vegas-entropy", "vegas-prefill",
-                 "auto"}
+                 "vegas-first", "vegas-final", "auto"}
 
 
 def test_spec_methods_cover_the_registry():

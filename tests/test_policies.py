@@ -149,6 +149,17 @@ def test_accepted_rows_average_only_the_kept_tokens():
                 assert got[l][j] != _top(scores[l, j].mean(0), n[j], int(count[j]))
 
 
+@pytest.mark.parametrize("name,rows", [("vegas-first", "first"), ("vegas-final", "final")])
+def test_one_row_policies_capture_one_row(name, rows):
+    """vegas-first / -final: one verify row (0 or gamma) captured, carried as vegas's."""
+    m = sel.method_named(name)
+    assert m == sel.VerifyGuided(rows, decay=0.5) and m.name == name
+    cap = m.capture(SPEC)
+    assert cap.rows == ((0,) if rows == "first" else (SPEC.gamma,)) and cap.reduce == "mean"
+    assert sel.VerifyGuided(rows, heads=True).capture(SPEC).rows == cap.rows
+    assert m.takes_raw(SPEC)  # the single-kernel selection path, as vegas
+
+
 @pytest.mark.parametrize("kw", [dict(decay=1.0), dict(decay=-0.1), dict(pool=0.5),
                                 dict(pool=2.0, heads=True), dict(rows="accepted", heads=True),
                                 dict(entropy=0.5, pool=2.0), dict(entropy=0.5, heads=True)])
@@ -163,7 +174,7 @@ def tiny():
 
 
 @pytest.mark.parametrize("method", ["vegas-accepted", "vegas-paper", "vegas-pool",
-                                    "vegas-entropy"])
+                                    "vegas-entropy", "vegas-first", "vegas-final"])
 def test_greedy_equals_vanilla(tiny, method):
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 100, size=n).tolist() for n in (37, 650)]

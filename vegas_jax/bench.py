@@ -386,7 +386,7 @@ def run(args, model=None) -> list[dict]:
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     for m in methods:
         if m not in METHODS:
-            raise ValueError(f"unknown method {m!r}; choose from {', '.join(ALL_METHODS)}")
+            raise ValueError(f"unknown method {m!r}; choose from {', '.join(METHODS)}")
     if args.batch < 1 or args.context < 1 or args.new_tokens < 1:
         raise ValueError("--batch, --context and --new-tokens must be >= 1")
     sampling = sampling_from_args(args)

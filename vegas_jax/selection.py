@@ -12,10 +12,11 @@ verify updates the state (`update`) and the length of the recent tail (`tail_len
   VerifyGuided("pair")  vegas-paper  the paper's selector: this verify's rows 0 and gamma
   VerifyGuided("all")   vegas-all    scores from all gamma + 1 verify rows
   VerifyGuided("last")  last         scores from the row of the last accepted token
-  VerifyGuided(...)     vegas-heads / -window / -accepted / -pool / -entropy / -prefill:
-                        issue 16's other policies (per KV head, a kept window, kept rows
-                        only, one budget for all layers, budgets by attention entropy, the
-                        first selection from the prompt's last 8 queries)
+  VerifyGuided(...)     vegas-heads / -window / -accepted / -pool / -entropy / -prefill /
+                        -first / -final: issue 16's other policies (per KV head, a kept
+                        window, kept rows only, one budget for all layers, budgets by
+                        attention entropy, the first selection from the prompt's last 8
+                        queries, one verify row instead of two: half the capture)
   Stream                stream     sink of the first tokens + recent window
   Quest                 quest      pages ranked by the current query against key bounds
 
@@ -214,6 +215,9 @@ class VerifyGuided(Method):
     rows "accepted": the mean of the rows of the tokens that stay (x0 and the accepted
     drafts, rows 0..n_acc), known after acceptance; "pair" and "all" also average the
     queries of rejected drafts, which the next round's tokens never were.
+    rows "first" / "final": row 0 (x0, the round's committed token) or row gamma (the last
+    draft) alone: half the pair's capture (the verify stores and the selection reads one
+    row a query head instead of two), for the carried scores to make up the other.
     sink, recent: the first `sink` positions and the last `recent` of the ranked range are
     always selected, inside the same budget (issue 16: a guaranteed window; the paper's
     selector has none).
@@ -240,7 +244,8 @@ class VerifyGuided(Method):
     entropy: float = 0.0
     prefill_rows: int = 1
     NAMES: ClassVar[dict] = {"pair": "vegas", "all": "vegas-all", "last": "last",
-                             "accepted": "vegas-accepted"}
+                             "accepted": "vegas-accepted", "first": "vegas-first",
+                             "final": "vegas-final"}
 
     def __post_init__(self):
         if self.rows not in self.NAMES:
@@ -285,12 +290,12 @@ class VerifyGuided(Method):
         return jnp.where(keep, jnp.inf, scores)
 
     def capture(self, spec):
+        fixed = {"pair": (0, spec.gamma), "first": (0,), "final": (spec.gamma,)}
         every = tuple(range(spec.gamma + 1))
         if self.heads:
-            return Capture((0, spec.gamma) if self.rows == "pair" else every, "heads",
-                           spec.score)
-        if self.rows == "pair":
-            return Capture((0, spec.gamma), "mean", spec.score)
+            return Capture(fixed.get(self.rows, every), "heads", spec.score)
+        if self.rows in fixed:
+            return Capture(fixed[self.rows], "mean", spec.score)
         return Capture(every, "mean" if self.rows == "all" else "rows", spec.score)
 
     def takes_raw(self, spec):
@@ -554,6 +559,9 @@ METHODS: dict[str, Method] = {
     # selector, level at 1K; BENCHMARKS.md)
     "vegas": VerifyGuided("pair", decay=0.5),
     "vegas-paper": VerifyGuided("pair"),  # the paper's selector exactly
+    # vegas from one verify row (x0's, or the last draft's): half the capture (issue 16)
+    "vegas-first": VerifyGuided("first", decay=0.5),
+    "vegas-final": VerifyGuided("final", decay=0.5),
     "vegas-all": VerifyGuided("all"),
     "vegas-heads": VerifyGuided("pair", heads=True),
     # the paper's selector with 4 sink and 64 recent positions always kept (issue 16)
