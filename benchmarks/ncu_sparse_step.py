@@ -2,12 +2,16 @@
 `benchmarks.tune_sparse_step` (SmolLM2 shapes, sorted random selections), the default
 tiles, a few calls so the profiled one is warm.
 
-    ncu --clock-control none -k regex:sparse_step -s 3 -c 1 --section SpeedOfLight \\
+    XLA_FLAGS=--xla_gpu_enable_command_buffer= ncu --clock-control none \\
+        -k regex:sparse_step -s 3 -c 1 --section SpeedOfLight \\
         --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \\
         --section LaunchStats --section SourceCounters \\
-        python3 -m benchmarks.ncu_sparse_step --batch 64
+        python3 -m benchmarks.ncu_sparse_step --batch 64 [--tile BK,WARPS,STAGES[,split]]
 
-Hardware counters are read only on the device tool's Firecracker machines (KINDS.md)."""
+Hardware counters are read only on the device tool's Firecracker machines (KINDS.md).
+With XLA's command buffers on (the default), python segfaulted under ncu at start (H100,
+2026-12-06); with them off it profiles. `--tile` swaps the whole-pair tile (or, with
+`split`, the split path's, all pairs split) to profile a candidate."""
 
 from __future__ import annotations
 
@@ -16,7 +20,21 @@ import argparse
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.sparse_attention import rope_halves, sparse_step
+from pallas_kernels.sparse_attention import SparseBlocks, StepBlocks, rope_halves, sparse_step
+
+
+def blocks_of(tile: str | None) -> StepBlocks:
+    """"BK,WARPS,STAGES" (the whole-pair tile) or "BK,WARPS,STAGES,split" (every pair split
+    over the default target programs with that tile); None: the default."""
+    if not tile:
+        return StepBlocks()
+    bk, w, st, *rest = tile.split(",")
+    sb = SparseBlocks(block_k=int(bk), num_warps=int(w), num_stages=int(st))
+    if rest == ["split"]:
+        return StepBlocks(split=sb, split_wide=sb, whole_from=10**9)
+    if rest:
+        raise ValueError(f"--tile BK,WARPS,STAGES[,split], got {tile!r}")
+    return StepBlocks(whole=sb, whole_from=1)
 
 
 def main():
@@ -30,6 +48,7 @@ def main():
     p.add_argument("--sparsity", type=float, default=0.07)
     p.add_argument("--tail", type=int, default=13)
     p.add_argument("--calls", type=int, default=5)
+    p.add_argument("--tile", default=None, help="BK,WARPS,STAGES[,split] (default: StepBlocks())")
     a = p.parse_args()
     L, b, kh, g, d = a.layers, a.batch, a.kv_heads, a.group, a.head_dim
     s = a.context + 128
@@ -51,7 +70,7 @@ def main():
         o, kc, vc = sparse_step(qkv, norms[0], norms[1], rope, kc, vc, jnp.int32(L // 2),
                                 idx.astype(jnp.int32), count, tail_start, q_pos,
                                 tail_len=a.tail, num_heads=kh * g,
-                                idx_layer=jnp.int32(L // 2), x=hid)
+                                idx_layer=jnp.int32(L // 2), x=hid, blocks=blocks_of(a.tile))
         return o, kc, vc
 
     for _ in range(a.calls):
