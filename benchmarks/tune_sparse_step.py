@@ -14,6 +14,7 @@ sorted, as the selection hands them over."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 
 import jax
@@ -63,8 +64,8 @@ BATCH_GRID = [("default", StepBlocks())] + [
 GRIDS = {"default": CANDIDATES, "split": SPLIT_GRID, "batch": BATCH_GRID}
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_shape_args(p) -> None:
+    """The draft step's shapes (SmolLM2 at B 64, 7.7K by default)."""
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--context", type=int, default=7680)
     p.add_argument("--kv-heads", type=int, default=3)
@@ -73,28 +74,56 @@ def main():
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--sparsity", type=float, default=0.07)
     p.add_argument("--tail", type=int, default=13)
+
+
+@dataclasses.dataclass
+class StepInputs:
+    """Random bf16 inputs of `sparse_step` at `add_shape_args`' shapes: K selected sorted
+    positions a layer and sequence (count = K - 8 real), the tail before the query."""
+    kc: jax.Array  # [L, b, k, s, d]
+    vc: jax.Array
+    qkv: jax.Array  # [b, 1, (k g + 2 k) d]
+    norms: jax.Array  # [2, d]
+    rope: jax.Array  # [b, 2, d / 2]
+    idx: jax.Array  # [L, b, K]
+    count: jax.Array  # [L, b]
+    tail_start: jax.Array  # [b]
+    q_pos: jax.Array  # [b]
+    hid: jax.Array  # [b, k g d]: the layer input whose RMS norm the kernel applies
+    K: int
+
+
+def step_inputs(a) -> StepInputs:
+    L, b, kh, g, d = a.layers, a.batch, a.kv_heads, a.group, a.head_dim
+    s = a.context + 128
+    K = int(a.sparsity * a.context) + 8
+    ks = jax.random.split(jax.random.PRNGKey(0), 6)
+    q_pos = jnp.full((b,), a.context + 3, jnp.int32)
+    idx = jnp.sort(jax.random.randint(ks[4], (L, b, K), 0, a.context - a.tail), axis=-1)
+    return StepInputs(
+        kc=jax.random.normal(ks[0], (L, b, kh, s, d), jnp.bfloat16),
+        vc=jax.random.normal(ks[1], (L, b, kh, s, d), jnp.bfloat16),
+        qkv=jax.random.normal(ks[2], (b, 1, (kh * g + 2 * kh) * d), jnp.bfloat16),
+        norms=jnp.ones((2, d), jnp.bfloat16),
+        rope=rope_halves(jnp.ones((b, 1, d), jnp.float32), jnp.zeros((b, 1, d), jnp.float32)),
+        idx=idx.astype(jnp.int32), count=jnp.full((L, b), K - 8, jnp.int32),
+        tail_start=q_pos - a.tail + 1, q_pos=q_pos,
+        # (hidden size: the query width, SmolLM2's 576 at the defaults)
+        hid=jax.random.normal(ks[5], (b, kh * g * d), jnp.bfloat16), K=K)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_shape_args(p)
     p.add_argument("--candidates", default="default", choices=tuple(GRIDS),
                    help="the candidate set: whole vs split tiles (default), the split "
                    "path's grid sizes, tiles, warps and stages (split), or wide splits "
                    "against the whole-pair default at many sequences (batch)")
     a = p.parse_args()
-    L, b, kh, g, d = a.layers, a.batch, a.kv_heads, a.group, a.head_dim
-    s = a.context + 128
-    K = int(a.sparsity * a.context) + 8
-    ks = jax.random.split(jax.random.PRNGKey(0), 6)
-    kc = jax.random.normal(ks[0], (L, b, kh, s, d), jnp.bfloat16)
-    vc = jax.random.normal(ks[1], (L, b, kh, s, d), jnp.bfloat16)
-    qkv = jax.random.normal(ks[2], (b, 1, (kh * g + 2 * kh) * d), jnp.bfloat16)
-    norms = jnp.ones((2, d), jnp.bfloat16)
-    q_pos = jnp.full((b,), a.context + 3, jnp.int32)
-    tail_start = q_pos - a.tail + 1
-    idx = jnp.sort(jax.random.randint(ks[4], (L, b, K), 0, a.context - a.tail), axis=-1)
-    idx = idx.astype(jnp.int32)
-    count = jnp.full((L, b), K - 8, jnp.int32)
-    rope = rope_halves(jnp.ones((b, 1, d), jnp.float32), jnp.zeros((b, 1, d), jnp.float32))
-    # the layer input whose RMS norm the kernel applies, as the model's drafts hand it over
-    # (hidden size: the query width, SmolLM2's 576 at the defaults)
-    hid = jax.random.normal(ks[5], (b, kh * g * d), jnp.bfloat16)
+    L, kh, g = a.layers, a.kv_heads, a.group
+    x = step_inputs(a)
+    kc, vc, qkv, norms, rope, hid, K = x.kc, x.vc, x.qkv, x.norms, x.rope, x.hid, x.K
+    idx, count, tail_start, q_pos = x.idx, x.count, x.tail_start, x.q_pos
 
     def chain(fn):
         def run(qkv, kc, vc):
@@ -107,7 +136,7 @@ def main():
             return x, kc, vc
         return jax.jit(run, donate_argnums=(1, 2))
 
-    print(f"B {b}, context {a.context}, {K - 8} selected + tail {a.tail}, {L} layers")
+    print(f"B {a.batch}, context {a.context}, {K - 8} selected + tail {a.tail}, {L} layers")
     # one layer's call against the reference, and 20 repeats bit for bit (a race between
     # programs shows as calls that differ)
     def one_args(kc, vc):
