@@ -67,6 +67,23 @@ def test_streams_text_and_prints_stats(tmp_path):
     assert "tok/s" in r.stderr and "tau=" in r.stderr
 
 
+def test_compile_cache_off_overrides_the_environment(tmp_path):
+    """'off' turns JAX's persistent cache off even where JAX_COMPILATION_CACHE_DIR set
+    one (the tests' own processes run with it); a directory turns it on there."""
+    import jax
+
+    from vegas_jax.cli import enable_compile_cache
+
+    saved = jax.config.jax_compilation_cache_dir
+    try:
+        assert enable_compile_cache("off") is None
+        assert jax.config.jax_compilation_cache_dir is None
+        assert enable_compile_cache(str(tmp_path / "c")) == str(tmp_path / "c")
+        assert jax.config.jax_compilation_cache_dir == str(tmp_path / "c")
+    finally:
+        jax.config.update("jax_compilation_cache_dir", saved)
+
+
 def test_compile_cache_is_written_and_reused(tmp_path):
     """--compile-cache DIR fills DIR on the first run; a second run of the same shapes
     finds its programs there (and prints the same tokens); 'off' writes nothing."""

@@ -16,9 +16,11 @@ def default_compile_cache() -> str:
 def enable_compile_cache(path: str | None) -> str | None:
     """JAX's persistent compilation cache in `path` ("off" or None: disabled): a second run
     of the same shapes loads its programs instead of compiling them."""
-    if not path or path == "off":
-        return None
     import jax
+
+    if not path or path == "off":  # off even where JAX_COMPILATION_CACHE_DIR names one
+        jax.config.update("jax_compilation_cache_dir", None)
+        return None
 
     os.makedirs(path, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", path)
