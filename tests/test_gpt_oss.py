@@ -145,8 +145,7 @@ def test_greedy_generate_matches_transformers(tiny_oss, prompts, vanilla):
 # ~5 s on the CPU): vegas-all, vegas-accepted and vegas-window (vegas-paper's path with
 # other verify rows or forced positions), vegas-entropy (pool's budget split prologue),
 # vegas-prefill (vegas with more prefill capture rows), vegas-first / -final (vegas's path
-# with one capture row), auto (a base method's rounds and
-# plain decoding steps).
+# with one capture row), auto (a base method's rounds and plain decoding steps).
 SPEC_METHODS = ["vegas", "vegas-paper", "vegas-heads", "vegas-pool", "last", "stream",
                 "quest", "vanilla"]
 OTHER_METHODS = {"vegas-all", "vegas-accepted", "vegas-window", "vegas-entropy", "vegas-prefill",
