@@ -51,11 +51,20 @@ def theirs(smollm2_gguf):
     if importlib.util.find_spec("accelerate") is None:
         pytest.fail("transformers' GGUF loading (the reference) needs accelerate: "
                     "pip install accelerate (part of the test extra)")
+    import gguf
+
     path = Path(smollm2_gguf)
     kw = dict(gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), dtype=torch.float32, **kw)
+    # transformers parses the file's metadata once for the config, once for the weights and
+    # once for the tokenizer (~9 s each on a 2-core VM), and builds the same tensor name map
+    # once a tensor (~12 s): the same reader and map, each made once, give it the same inputs
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf, "GGUFReader", functools.lru_cache(maxsize=None)(gguf.GGUFReader))
+        mp.setattr(gguf, "get_tensor_name_map",
+                   functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map))
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), dtype=torch.float32, **kw)
+        tok = AutoTokenizer.from_pretrained(str(path.parent), **kw)
     model.config._attn_implementation = "eager"
-    tok = AutoTokenizer.from_pretrained(str(path.parent), **kw)
     return model.eval(), tok
 
 
