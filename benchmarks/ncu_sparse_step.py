@@ -20,7 +20,7 @@ import argparse
 import jax
 import jax.numpy as jnp
 
-from benchmarks.tune_sparse_step import add_shape_args, step_inputs
+from benchmarks.tune_sparse_step import add_shape_args, split_tile, step_inputs, whole_tile
 from pallas_kernels.sparse_attention import SparseBlocks, StepBlocks, sparse_step
 
 
@@ -30,12 +30,11 @@ def blocks_of(tile: str | None) -> StepBlocks:
     if not tile:
         return StepBlocks()
     bk, w, st, *rest = tile.split(",")
-    sb = SparseBlocks(block_k=int(bk), num_warps=int(w), num_stages=int(st))
     if rest == ["split"]:
-        return StepBlocks(split=sb, split_wide=sb, whole_from=10**9)
+        return split_tile(SparseBlocks().target_programs, int(bk), int(w), int(st))
     if rest:
         raise ValueError(f"--tile BK,WARPS,STAGES[,split], got {tile!r}")
-    return StepBlocks(whole=sb, whole_from=1)
+    return whole_tile(int(bk), int(w), int(st))
 
 
 def main():

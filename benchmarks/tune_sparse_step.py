@@ -28,30 +28,30 @@ from pallas_kernels.sparse_attention import (
 SPLIT = 10**9
 
 
-def _whole(bk, w):
-    return StepBlocks(whole=SparseBlocks(block_k=bk, num_warps=w, num_stages=3), whole_from=1)
+def whole_tile(bk, w, st=3):
+    return StepBlocks(whole=SparseBlocks(block_k=bk, num_warps=w, num_stages=st), whole_from=1)
 
 
-def _split(t, bk, w=4, st=2):
+def split_tile(t, bk, w=4, st=2):
     sb = SparseBlocks(block_k=bk, num_warps=w, num_stages=st, target_programs=t)
     return StepBlocks(split=sb, split_wide=sb, whole_from=SPLIT)
 
 
 CANDIDATES = [
     ("default", StepBlocks()),
-    ("whole bk128 w4", _whole(128, 4)),
-    ("whole bk64 w4", _whole(64, 4)),
-    ("whole bk64 w2", _whole(64, 2)),
-    ("whole bk32 w2", _whole(32, 2)),
-    ("whole bk32 w1", _whole(32, 1)),
-    ("split t264 bk64", _split(264, 64)),
-    ("split t528 bk64", _split(528, 64)),
+    ("whole bk128 w4", whole_tile(128, 4)),
+    ("whole bk64 w4", whole_tile(64, 4)),
+    ("whole bk64 w2", whole_tile(64, 2)),
+    ("whole bk32 w2", whole_tile(32, 2)),
+    ("whole bk32 w1", whole_tile(32, 1)),
+    ("split t264 bk64", split_tile(264, 64)),
+    ("split t528 bk64", split_tile(528, 64)),
 ]
 
 # the split path's grid and tiles at wide heads and few sequences (Qwen3-8B, B 4: 32
 # (sequence, KV head) pairs over thousands of selected entries)
 SPLIT_GRID = [("default", StepBlocks())] + [
-    (f"split t{t} bk{bk} w{w} s{st}", _split(t, bk, w, st))
+    (f"split t{t} bk{bk} w{w} s{st}", split_tile(t, bk, w, st))
     for t in (528, 1056, 2112) for bk in (32, 64) for w in (4, 8) for st in (2, 3)
     if not (bk == 32 and w == 8)]
 
@@ -59,7 +59,7 @@ SPLIT_GRID = [("default", StepBlocks())] + [
 # default against lists cut over more programs than the default split aims at (its 264 /
 # 528 were measured there; 1056+ only at Qwen3-8B's shapes)
 BATCH_GRID = [("default", StepBlocks())] + [
-    (f"split t{t} bk{bk} w{w} s3", _split(t, bk, w, 3))
+    (f"split t{t} bk{bk} w{w} s3", split_tile(t, bk, w, 3))
     for t in (1056, 2112, 4224) for bk in (32, 64) for w in (2, 4)]
 GRIDS = {"default": CANDIDATES, "split": SPLIT_GRID, "batch": BATCH_GRID}
 
