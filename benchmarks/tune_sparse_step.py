@@ -28,8 +28,9 @@ from pallas_kernels.sparse_attention import (
 SPLIT = 10**9
 
 
-def whole_tile(bk, w, st=3):
-    return StepBlocks(whole=SparseBlocks(block_k=bk, num_warps=w, num_stages=st), whole_from=1)
+def whole_tile(bk, w, st=3, merge=False):
+    return StepBlocks(whole=SparseBlocks(block_k=bk, num_warps=w, num_stages=st,
+                                         merge_tail=merge), whole_from=1)
 
 
 def split_tile(t, bk, w=4, st=2):
@@ -44,6 +45,7 @@ CANDIDATES = [
     ("whole bk64 w2", whole_tile(64, 2)),
     ("whole bk32 w2", whole_tile(32, 2)),
     ("whole bk32 w1", whole_tile(32, 1)),
+    ("whole bk64 w1", whole_tile(64, 1)),
     ("split t264 bk64", split_tile(264, 64)),
     ("split t528 bk64", split_tile(528, 64)),
 ]
@@ -61,7 +63,17 @@ SPLIT_GRID = [("default", StepBlocks())] + [
 BATCH_GRID = [("default", StepBlocks())] + [
     (f"split t{t} bk{bk} w{w} s3", split_tile(t, bk, w, 3))
     for t in (1056, 2112, 4224) for bk in (32, 64) for w in (2, 4)]
-GRIDS = {"default": CANDIDATES, "split": SPLIT_GRID, "batch": BATCH_GRID}
+# two or three programs a pair with the whole-pair tile (its cost is a fixed ~5.5 us plus
+# ~1.2 us a 64-entry block at B 64: BENCHMARKS.md 2026-12-06 c)
+FEW_GRID = [("default", StepBlocks())] + [
+    (f"split t{t} bk{bk} w2 s3", split_tile(t, bk, 2, 3))
+    for t in (384, 576, 768) for bk in (64, 32)]
+# the list and the tail in one loop (`SparseBlocks.merge_tail`) against two
+MERGE_GRID = [("default", StepBlocks())] + [
+    (f"whole bk{bk} w{w} s{st}{' merged' if mg else ''}", whole_tile(bk, w, st, mg))
+    for bk, w, st in ((64, 2, 3), (64, 2, 4), (128, 4, 3), (32, 2, 3)) for mg in (False, True)]
+GRIDS = {"default": CANDIDATES, "split": SPLIT_GRID, "batch": BATCH_GRID, "few": FEW_GRID,
+         "merge": MERGE_GRID, "one": [("default", StepBlocks())]}
 
 
 def add_shape_args(p) -> None:
@@ -74,6 +86,10 @@ def add_shape_args(p) -> None:
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--sparsity", type=float, default=0.07)
     p.add_argument("--tail", type=int, default=13)
+    p.add_argument("--positions", default="random",
+                   help="the selected positions: 'random' (sorted, uniform), 'runsN' "
+                   "(runs of N consecutive positions at random aligned starts) or "
+                   "'contiguous' (one run): how much the gathers' DRAM locality matters")
 
 
 @dataclasses.dataclass
@@ -93,13 +109,30 @@ class StepInputs:
     K: int
 
 
+def selected_positions(key, kind: str, lead: tuple, K: int, end: int) -> jax.Array:
+    """[*lead, K] sorted positions below `end` (`--positions`)."""
+    if kind == "random":
+        return jnp.sort(jax.random.randint(key, (*lead, K), 0, end), axis=-1)
+    if kind == "contiguous":
+        run = K
+    elif kind.startswith("runs") and kind[4:].isdigit() and int(kind[4:]) > 0:
+        run = int(kind[4:])
+    else:
+        raise ValueError(f"--positions: random, runsN or contiguous, got {kind!r}")
+    n_runs = -(-K // run)
+    # distinct aligned starts (the first n_runs of a random permutation of the slots)
+    slots = jnp.argsort(jax.random.uniform(key, (*lead, end // run)), axis=-1)[..., :n_runs]
+    starts = jnp.sort(slots, axis=-1) * run
+    return (starts[..., None] + jnp.arange(run)).reshape(*lead, -1)[..., :K]
+
+
 def step_inputs(a) -> StepInputs:
     L, b, kh, g, d = a.layers, a.batch, a.kv_heads, a.group, a.head_dim
     s = a.context + 128
     K = int(a.sparsity * a.context) + 8
     ks = jax.random.split(jax.random.PRNGKey(0), 6)
     q_pos = jnp.full((b,), a.context + 3, jnp.int32)
-    idx = jnp.sort(jax.random.randint(ks[4], (L, b, K), 0, a.context - a.tail), axis=-1)
+    idx = selected_positions(ks[4], a.positions, (L, b), K, a.context - a.tail)
     return StepInputs(
         kc=jax.random.normal(ks[0], (L, b, kh, s, d), jnp.bfloat16),
         vc=jax.random.normal(ks[1], (L, b, kh, s, d), jnp.bfloat16),
@@ -117,8 +150,10 @@ def main():
     add_shape_args(p)
     p.add_argument("--candidates", default="default", choices=tuple(GRIDS),
                    help="the candidate set: whole vs split tiles (default), the split "
-                   "path's grid sizes, tiles, warps and stages (split), or wide splits "
-                   "against the whole-pair default at many sequences (batch)")
+                   "path's grid sizes, tiles, warps and stages (split), wide splits "
+                   "against the whole-pair default at many sequences (batch), two or "
+                   "three programs a pair (few), the list and tail in one loop (merge), "
+                   "or the default alone (one)")
     a = p.parse_args()
     L, kh, g = a.layers, a.kv_heads, a.group
     x = step_inputs(a)

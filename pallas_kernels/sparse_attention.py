@@ -102,6 +102,8 @@ class SparseBlocks:
     num_warps: int = 4
     num_stages: int = 2
     target_programs: int = 528
+    # whole-pair programs only: walk the list and the tail in one loop (`merged`), not two
+    merge_tail: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,14 +138,15 @@ STEP_BLOCKS = StepBlocks()  # read at call time (benchmarks.tune_sparse_step swa
 
 def _chunk_attention(q_parts, k_ref, v_ref, idx_ref, cnt_ref, ts_ref, layer, il, bi, h, hi,
                      j, qpos, *, block_k, chunk, n_sel, n_idx, tail_len, s_len, scale,
-                     skip_qpos, one_program=False, live=None):
+                     skip_qpos, one_program=False, live=None, merge_tail=False):
     """Online softmax of program j's chunk (selected entries or tail) for one (sequence,
     KV head). q_parts: ((q [rows, w], last-axis slice of the cache rows it multiplies),
     ...): the logits are the sum of their dots (RoPE's two halves, or the whole row).
     With `skip_qpos`, entries at the query's own position are left out and counted: its
     K/V is written by this very call, so the caller adds it from registers.
-    `one_program`: this program covers the whole list and then the whole tail. `live`
-    (traced bool or None): False walks no entry (a padding row's program).
+    `one_program`: this program covers the whole list and then the whole tail; with
+    `merge_tail`, in one loop (`merged`). `live` (traced bool or None): False walks no
+    entry (a padding row's program).
     Returns (o [rows, d], m [rows], l [rows], hits)."""
     rows = q_parts[0][0].shape[0]
     d = v_ref.shape[-1]
@@ -215,7 +218,29 @@ def _chunk_attention(q_parts, k_ref, v_ref, idx_ref, cnt_ref, ts_ref, layer, il,
         return walk(nblk, lambda i: jnp.minimum(t0 + e0 + i * tail_bk + tr, qpos),
                     lambda i: e0 + i * tail_bk + tr < n_valid, carry)
 
+    def merged(carry):
+        # The list's cnt entries and then the tail's n_valid as one run of entries in
+        # block_k blocks: the tail fills the list's last partial block, and one loop (one
+        # pipeline fill and drain) walks both. At SmolLM2 B 64 a call costs ~6 us fixed
+        # plus its bytes at ~2.7 TB/s, and the separate tail loop is part of the fixed
+        # cost (BENCHMARKS.md, 2026-12-06 c).
+        cnt = jnp.minimum(cnt_ref[il, bi, hi], n_idx)
+        t0 = ts_ref[bi]
+        total = cnt + jnp.clip(qpos - t0 + 1, 0, tail_len)  # + tail entries t0 .. q_pos
+
+        def positions(i):
+            e = i * block_k + kr
+            listed = pltr.load(idx_ref.at[il, bi, hi, pl.ds(i * block_k, block_k)],
+                               mask=e < cnt, other=0)
+            # past the tail, positions are clamped to the query's (one cached row)
+            return jnp.where(e < cnt, listed, jnp.minimum(t0 + e - cnt, qpos))
+
+        return walk(pl.cdiv(total, block_k), positions, lambda i: i * block_k + kr < total,
+                    carry)
+
     if one_program:
+        if merge_tail:
+            return merged(carry0)
         return tail(selected(carry0)) if tail_len > 0 else selected(carry0)
     if tail_len > 0:
         return lax.cond(j < n_sel, selected, tail, carry0)
@@ -565,7 +590,8 @@ def sparse_step(qkv, q_norm, k_norm, rope, k_cache, v_cache, layer, idx, count, 
     kernel, scalars = _layer_inputs(functools.partial(
         _step_kernel, block_k=bk, chunk=chunk, n_sel=n_sel, n_idx=n_idx, tail_len=tail_len,
         s_len=s, scale=d**-0.5, per_head=per_head, g=g, kh=kh, qk_norm=qk_norm, eps=eps,
-        normalize=normalize, hidden=0 if x is None else x.shape[-1]),
+        normalize=normalize, hidden=0 if x is None else x.shape[-1],
+        merge_tail=normalize and blocks.merge_tail),
         layer, idx_layer)
     norms = [q_norm.astype(qkv.dtype), k_norm.astype(qkv.dtype)] if qk_norm else []
     xs = [] if x is None else [x]

@@ -113,17 +113,22 @@ STEP_CASES = [
     (2, 2, 3, 64, 300, 37, 9, True, jnp.float32, True),
     (3, 1, 8, 32, 257, 20, 16, True, jnp.bfloat16, True),
     (2, 2, 2, 64, 300, 3, 90, False, jnp.float32, False),  # long tail over several programs
+    (2, 2, 2, 64, 300, 3, 90, False, jnp.float32, True),  # ... over several blocks
 ]
 
 
+@pytest.mark.parametrize("merge", [False, True])
 @pytest.mark.parametrize("with_x", [False, True])
 @pytest.mark.parametrize("case", STEP_CASES, ids=[f"c{i}" for i in range(len(STEP_CASES))])
-def test_sparse_step_matches_reference(case, with_x):
+def test_sparse_step_matches_reference(case, with_x, merge):
     """With x, qkv is the projection before the input norm's row scale, which the kernel
-    applies from x (rows of different scales; a hidden size that is not a power of two)."""
+    applies from x (rows of different scales; a hidden size that is not a power of two).
+    merge: the whole-pair kernel walks the list and the tail in one loop (`merge_tail`)."""
     from pallas_kernels.sparse_attention import rope_halves, sparse_step, sparse_step_reference
 
     b, kh, g, d, s, K, W, qk_norm, dtype, unsplit = case
+    if merge and not unsplit:
+        pytest.skip("merge_tail applies to whole-pair programs only")
     L, n = 2, kh * g
     ks = jax.random.split(jax.random.PRNGKey(s + K + W), 8)
     kc = rand.normal(ks[0], (L, b, kh, s, d), jnp.float32).astype(dtype)
@@ -148,7 +153,8 @@ def test_sparse_step_matches_reference(case, with_x):
         kw["x"] = x.astype(dtype)
     ref, rk, rv = compiled.call(sparse_step_reference, *args, **kw)
     # unsplit: a tail shorter than the list's blocks walks its own, smaller blocks
-    sb = SparseBlocks(block_k=32 if unsplit else 16, target_programs=3 * b * kh)
+    sb = SparseBlocks(block_k=32 if unsplit else 16, target_programs=3 * b * kh,
+                      merge_tail=merge)
     # split: the chunks combined by the Pallas kernel (with x) or by XLA (without)
     blocks = StepBlocks(split=sb, whole=sb, whole_from=1 if unsplit else 10**6,
                         combine_from=1 if with_x else 10**6)
@@ -209,9 +215,11 @@ def test_sparse_step_lowers_for_cuda():
     L, b, kh, g, d, s, K = 2, 64, 3, 3, 64, 4096, 300
     sd = jax.ShapeDtypeStruct
     bf = jnp.bfloat16
-    for unsplit in (1, 10**6):
+    merged = StepBlocks(whole=SparseBlocks(block_k=64, num_warps=2, num_stages=3,
+                                           merge_tail=True), whole_from=1)
+    for blocks in (StepBlocks(whole_from=1), StepBlocks(whole_from=10**6), merged):
         fn = functools.partial(sparse_step, tail_len=13, num_heads=kh * g, qk_norm=True,
-                               blocks=StepBlocks(whole_from=unsplit))
+                               blocks=blocks)
         txt = lower_cuda(
             fn, sd((b, 1, (kh * g + 2 * kh) * d), bf), sd((d,), bf), sd((d,), bf),
             sd((b, 2, d // 2), jnp.float32), sd((L, b, kh, s, d), bf), sd((L, b, kh, s, d), bf),
