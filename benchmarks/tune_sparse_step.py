@@ -28,9 +28,9 @@ from pallas_kernels.sparse_attention import (
 SPLIT = 10**9
 
 
-def whole_tile(bk, w, st=3, merge=False):
+def whole_tile(bk, w, st=3, merge=False, late=False):
     return StepBlocks(whole=SparseBlocks(block_k=bk, num_warps=w, num_stages=st,
-                                         merge_tail=merge), whole_from=1)
+                                         merge_tail=merge, write_last=late), whole_from=1)
 
 
 def split_tile(t, bk, w=4, st=2):
@@ -68,10 +68,13 @@ BATCH_GRID = [("default", StepBlocks())] + [
 FEW_GRID = [("default", StepBlocks())] + [
     (f"split t{t} bk{bk} w2 s3", split_tile(t, bk, 2, 3))
     for t in (384, 576, 768) for bk in (64, 32)]
-# the list and the tail in one loop (`SparseBlocks.merge_tail`) against two
+# the whole-pair kernel's fixed cost: the list and the tail in one loop
+# (`SparseBlocks.merge_tail`), the cache write after the walk (`write_last`)
 MERGE_GRID = [("default", StepBlocks())] + [
-    (f"whole bk{bk} w{w} s{st}{' merged' if mg else ''}", whole_tile(bk, w, st, mg))
-    for bk, w, st in ((64, 2, 3), (64, 2, 4), (128, 4, 3), (32, 2, 3)) for mg in (False, True)]
+    (f"whole bk{bk} w{w} s{st}{' merged' if mg else ''}{' late' if lt else ''}",
+     whole_tile(bk, w, st, mg, lt))
+    for bk, w, st in ((64, 2, 3), (64, 2, 4), (128, 4, 3))
+    for mg in (False, True) for lt in (False, True)]
 GRIDS = {"default": CANDIDATES, "split": SPLIT_GRID, "batch": BATCH_GRID, "few": FEW_GRID,
          "merge": MERGE_GRID, "one": [("default", StepBlocks())]}
 
@@ -152,7 +155,8 @@ def main():
                    help="the candidate set: whole vs split tiles (default), the split "
                    "path's grid sizes, tiles, warps and stages (split), wide splits "
                    "against the whole-pair default at many sequences (batch), two or "
-                   "three programs a pair (few), the list and tail in one loop (merge), "
+                   "three programs a pair (few), the list and tail in one loop and the "
+                   "cache write last (merge), "
                    "or the default alone (one)")
     a = p.parse_args()
     L, kh, g = a.layers, a.kv_heads, a.group

@@ -104,6 +104,8 @@ class SparseBlocks:
     target_programs: int = 528
     # whole-pair programs only: walk the list and the tail in one loop (`merged`), not two
     merge_tail: bool = False
+    # `sparse_step`: write the new token's K/V after the walk instead of before it
+    write_last: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -389,7 +391,7 @@ def _rope(x1, x2, cos, sin):
 
 
 def _step_kernel(layer_ref, il, qkv_ref, *refs, per_head, g, kh, qk_norm, eps, normalize,
-                 hidden, **kw):
+                 hidden, write_last, **kw):
     # layer_ref [1]; il the index layer; qkv_ref [b, n + 2k, d] (raw projection: q heads |
     # k heads | v heads); x_ref [b, hidden] (the layer's input, when `hidden`: qkv is then
     # its projection before the RMS norm's row scale, applied here);
@@ -438,12 +440,18 @@ def _step_kernel(layer_ref, il, qkv_ref, *refs, per_head, g, kh, qk_norm, eps, n
     q = _rope(*q, cos, sin)
     k = _rope(*k, cos, sin)
 
-    @pl.when((j == 0) & (qpos < kw["s_len"]) & live)
-    def _write():
-        ko_ref[layer, bi, h, pl.ds(qpos, 1), lo] = k[0]
-        ko_ref[layer, bi, h, pl.ds(qpos, 1), up] = k[1]
-        vo_ref[layer, bi, h, pl.ds(qpos, 1), :] = v
+    def write():
+        @pl.when((j == 0) & (qpos < kw["s_len"]) & live)
+        def _write():
+            ko_ref[layer, bi, h, pl.ds(qpos, 1), lo] = k[0]
+            ko_ref[layer, bi, h, pl.ds(qpos, 1), up] = k[1]
+            vo_ref[layer, bi, h, pl.ds(qpos, 1), :] = v
 
+    # The walk never reads the row it writes (the query's own entry comes from
+    # registers), so the write may come last: then no branch stands between the
+    # prologue's loads and the walk's first position and gather loads.
+    if not write_last:
+        write()
     # keys gathered as two half rows, each dotted with its RoPE half of the query (one
     # whole-row load with the halves placed side by side measured no faster: BENCHMARKS.md,
     # 2026-12-02 d)
@@ -467,6 +475,8 @@ def _step_kernel(layer_ref, il, qkv_ref, *refs, per_head, g, kh, qk_norm, eps, n
         o_ref[...] = o
         m_ref[...] = m_new
         l_ref[...] = l
+    if write_last:
+        write()
 
 
 def rope_halves(cos, sin):
@@ -591,7 +601,7 @@ def sparse_step(qkv, q_norm, k_norm, rope, k_cache, v_cache, layer, idx, count, 
         _step_kernel, block_k=bk, chunk=chunk, n_sel=n_sel, n_idx=n_idx, tail_len=tail_len,
         s_len=s, scale=d**-0.5, per_head=per_head, g=g, kh=kh, qk_norm=qk_norm, eps=eps,
         normalize=normalize, hidden=0 if x is None else x.shape[-1],
-        merge_tail=normalize and blocks.merge_tail),
+        merge_tail=normalize and blocks.merge_tail, write_last=blocks.write_last),
         layer, idx_layer)
     norms = [q_norm.astype(qkv.dtype), k_norm.astype(qkv.dtype)] if qk_norm else []
     xs = [] if x is None else [x]

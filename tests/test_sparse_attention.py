@@ -117,18 +117,25 @@ STEP_CASES = [
 ]
 
 
-@pytest.mark.parametrize("merge", [False, True])
-@pytest.mark.parametrize("with_x", [False, True])
-@pytest.mark.parametrize("case", STEP_CASES, ids=[f"c{i}" for i in range(len(STEP_CASES))])
-def test_sparse_step_matches_reference(case, with_x, merge):
+# the knobs that change the kernel's code: (merge_tail, write_last); "merged" runs on
+# whole-pair programs (the only ones it changes), "late" on both paths, both with x only
+STEP_VARIANTS = {"plain": (False, False), "merged": (True, True), "late": (False, True)}
+STEP_PARAMS = [(c, v, x) for c in STEP_CASES for v in STEP_VARIANTS for x in (False, True)
+               if v == "plain" or (x and (v == "late" or c[-1]))]
+
+
+@pytest.mark.parametrize("case,variant,with_x", STEP_PARAMS,
+                         ids=[f"c{STEP_CASES.index(c)}-{v}-{'x' if x else 'qkv'}"
+                              for c, v, x in STEP_PARAMS])
+def test_sparse_step_matches_reference(case, variant, with_x):
     """With x, qkv is the projection before the input norm's row scale, which the kernel
     applies from x (rows of different scales; a hidden size that is not a power of two).
-    merge: the whole-pair kernel walks the list and the tail in one loop (`merge_tail`)."""
+    Variants: the whole-pair kernel walks the list and the tail in one loop (`merge_tail`),
+    and writes the new K/V after the walk (`write_last`; also on the split path)."""
     from pallas_kernels.sparse_attention import rope_halves, sparse_step, sparse_step_reference
 
     b, kh, g, d, s, K, W, qk_norm, dtype, unsplit = case
-    if merge and not unsplit:
-        pytest.skip("merge_tail applies to whole-pair programs only")
+    merge, late = STEP_VARIANTS[variant]
     L, n = 2, kh * g
     ks = jax.random.split(jax.random.PRNGKey(s + K + W), 8)
     kc = rand.normal(ks[0], (L, b, kh, s, d), jnp.float32).astype(dtype)
@@ -154,7 +161,7 @@ def test_sparse_step_matches_reference(case, with_x, merge):
     ref, rk, rv = compiled.call(sparse_step_reference, *args, **kw)
     # unsplit: a tail shorter than the list's blocks walks its own, smaller blocks
     sb = SparseBlocks(block_k=32 if unsplit else 16, target_programs=3 * b * kh,
-                      merge_tail=merge)
+                      merge_tail=merge, write_last=late)
     # split: the chunks combined by the Pallas kernel (with x) or by XLA (without)
     blocks = StepBlocks(split=sb, whole=sb, whole_from=1 if unsplit else 10**6,
                         combine_from=1 if with_x else 10**6)
@@ -216,7 +223,7 @@ def test_sparse_step_lowers_for_cuda():
     sd = jax.ShapeDtypeStruct
     bf = jnp.bfloat16
     merged = StepBlocks(whole=SparseBlocks(block_k=64, num_warps=2, num_stages=3,
-                                           merge_tail=True), whole_from=1)
+                                           merge_tail=True, write_last=True), whole_from=1)
     for blocks in (StepBlocks(whole_from=1), StepBlocks(whole_from=10**6), merged):
         fn = functools.partial(sparse_step, tail_len=13, num_heads=kh * g, qk_norm=True,
                                blocks=blocks)
