@@ -138,17 +138,40 @@ class StepBlocks:
 STEP_BLOCKS = StepBlocks()  # read at call time (benchmarks.tune_sparse_step swaps it)
 
 
+def merged_plan(idx_ref, cnt_ref, ts_ref, il, bi, hi, qpos, *, block_k, n_idx, tail_len):
+    """The whole-pair walk with `merge_tail`: the list's cnt entries and then the tail's
+    as one run of entries in block_k blocks. The tail fills the list's last partial block,
+    and one loop (one pipeline fill and drain) walks both: at SmolLM2 B 64 a call costs
+    ~6 us fixed plus its bytes at ~2.7 TB/s, and the separate tail loop is part of the
+    fixed cost (BENCHMARKS.md, 2026-12-06 c). Returns (entries, positions(i) -> [block_k],
+    block 0's positions), all loads issued here: `sparse_step` calls it before its
+    prologue, so that their latency overlaps the prologue's."""
+    kr = jnp.arange(block_k, dtype=jnp.int32)
+    cnt = jnp.minimum(cnt_ref[il, bi, hi], n_idx)
+    t0 = ts_ref[bi]
+    total = cnt + jnp.clip(qpos - t0 + 1, 0, tail_len)  # + tail entries t0 .. q_pos
+
+    def positions(i):
+        e = i * block_k + kr
+        listed = pltr.load(idx_ref.at[il, bi, hi, pl.ds(i * block_k, block_k)],
+                           mask=e < cnt, other=0)
+        # past the tail, positions are clamped to the query's (one cached row)
+        return jnp.where(e < cnt, listed, jnp.minimum(t0 + e - cnt, qpos))
+
+    return total, positions, positions(0)
+
+
 def _chunk_attention(q_parts, k_ref, v_ref, idx_ref, cnt_ref, ts_ref, layer, il, bi, h, hi,
                      j, qpos, *, block_k, chunk, n_sel, n_idx, tail_len, s_len, scale,
-                     skip_qpos, one_program=False, live=None, merge_tail=False):
+                     skip_qpos, one_program=False, live=None, merge_tail=False, plan=None):
     """Online softmax of program j's chunk (selected entries or tail) for one (sequence,
     KV head). q_parts: ((q [rows, w], last-axis slice of the cache rows it multiplies),
     ...): the logits are the sum of their dots (RoPE's two halves, or the whole row).
     With `skip_qpos`, entries at the query's own position are left out and counted: its
     K/V is written by this very call, so the caller adds it from registers.
     `one_program`: this program covers the whole list and then the whole tail; with
-    `merge_tail`, in one loop (`merged`). `live` (traced bool or None): False walks no
-    entry (a padding row's program).
+    `merge_tail`, in one loop (`merged_plan`, or `plan`: its result, computed earlier).
+    `live` (traced bool or None): False walks no entry (a padding row's program).
     Returns (o [rows, d], m [rows], l [rows], hits)."""
     rows = q_parts[0][0].shape[0]
     d = v_ref.shape[-1]
@@ -181,9 +204,10 @@ def _chunk_attention(q_parts, k_ref, v_ref, idx_ref, cnt_ref, ts_ref, layer, il,
         o = o * corr[:, None] + dot(p.astype(v.dtype), v)
         return o, m_new, l, hits
 
-    def walk(nblk, pos_of, ok_of, carry):
+    def walk(nblk, pos_of, ok_of, carry, first=None):
         """Blocks 0..nblk-1 with positions pos_of(i) and validity ok_of(i). Positions are
-        loaded one block ahead: their latency overlaps this block's gathers."""
+        loaded one block ahead: their latency overlaps this block's gathers. first: the
+        positions of block 0, when already loaded."""
         if live is not None:
             nblk = jnp.where(live, nblk, 0)
 
@@ -192,7 +216,8 @@ def _chunk_attention(q_parts, k_ref, v_ref, idx_ref, cnt_ref, ts_ref, layer, il,
             nxt = pos_of(i + 1)
             return (*update(pos, ok_of(i), gather(pos), c), nxt)
 
-        *carry, _ = lax.fori_loop(0, nblk, body, (*carry, pos_of(0)))
+        first = pos_of(0) if first is None else first
+        *carry, _ = lax.fori_loop(0, nblk, body, (*carry, first))
         return tuple(carry)
 
     carry0 = (jnp.zeros((rows, d), jnp.float32), jnp.full((rows,), NEG, jnp.float32),
@@ -221,24 +246,11 @@ def _chunk_attention(q_parts, k_ref, v_ref, idx_ref, cnt_ref, ts_ref, layer, il,
                     lambda i: e0 + i * tail_bk + tr < n_valid, carry)
 
     def merged(carry):
-        # The list's cnt entries and then the tail's n_valid as one run of entries in
-        # block_k blocks: the tail fills the list's last partial block, and one loop (one
-        # pipeline fill and drain) walks both. At SmolLM2 B 64 a call costs ~6 us fixed
-        # plus its bytes at ~2.7 TB/s, and the separate tail loop is part of the fixed
-        # cost (BENCHMARKS.md, 2026-12-06 c).
-        cnt = jnp.minimum(cnt_ref[il, bi, hi], n_idx)
-        t0 = ts_ref[bi]
-        total = cnt + jnp.clip(qpos - t0 + 1, 0, tail_len)  # + tail entries t0 .. q_pos
-
-        def positions(i):
-            e = i * block_k + kr
-            listed = pltr.load(idx_ref.at[il, bi, hi, pl.ds(i * block_k, block_k)],
-                               mask=e < cnt, other=0)
-            # past the tail, positions are clamped to the query's (one cached row)
-            return jnp.where(e < cnt, listed, jnp.minimum(t0 + e - cnt, qpos))
-
+        total, positions, first = plan or merged_plan(
+            idx_ref, cnt_ref, ts_ref, il, bi, hi, qpos, block_k=block_k, n_idx=n_idx,
+            tail_len=tail_len)
         return walk(pl.cdiv(total, block_k), positions, lambda i: i * block_k + kr < total,
-                    carry)
+                    carry, first)
 
     if one_program:
         if merge_tail:
@@ -416,6 +428,10 @@ def _step_kernel(layer_ref, il, qkv_ref, *refs, per_head, g, kh, qk_norm, eps, n
     hi = h if per_head else jnp.int32(0)
     layer = layer_ref[0]
     qpos = qp_ref[bi]
+    plan = None
+    if normalize and kw["merge_tail"]:  # the walk's first loads before the prologue's
+        plan = merged_plan(idx_ref, cnt_ref, ts_ref, il, bi, hi, qpos, block_k=kw["block_k"],
+                           n_idx=kw["n_idx"], tail_len=kw["tail_len"])
     d = qkv_ref.shape[-1]
     half = d // 2
     lo, up = pl.ds(0, half), pl.ds(half, half)
@@ -458,7 +474,8 @@ def _step_kernel(layer_ref, il, qkv_ref, *refs, per_head, g, kh, qk_norm, eps, n
     parts = ((q[0], lo), (q[1], up))
     o, m, l, hits = _chunk_attention(parts, k_ref, v_ref, idx_ref, cnt_ref,
                                      ts_ref, layer, il, bi, h, hi, j, qpos,
-                                     skip_qpos=True, one_program=normalize, live=live, **kw)
+                                     skip_qpos=True, one_program=normalize, live=live,
+                                     plan=plan, **kw)
     # the new token's own entry, as often as this chunk listed its position
     s_new = sum(jnp.sum(qp.astype(jnp.float32) * kp.astype(jnp.float32), axis=-1)
                 for qp, kp in zip(q, k)) * kw["scale"]  # [rows]
