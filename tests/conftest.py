@@ -104,6 +104,7 @@ def pallas_interpret(monkeypatch):
     """Every Pallas kernel the model's Pallas path calls, in interpret mode (CPU)."""
     import functools
 
+    from pallas_kernels import draft_mlp
     from pallas_kernels.capture_select import select_from_capture
     from pallas_kernels.sparse_attention import sparse_attention, sparse_step
     from pallas_kernels.topk import select_topk_fast
@@ -120,6 +121,8 @@ def pallas_interpret(monkeypatch):
                         functools.partial(select_topk_fast, interpret=True))
     monkeypatch.setattr(sel_mod, "select_from_capture",
                         functools.partial(select_from_capture, interpret=True))
+    monkeypatch.setattr(draft_mlp, "norm_gate_up",
+                        functools.partial(draft_mlp.norm_gate_up, interpret=True))
 
 
 @pytest.fixture(scope="session")

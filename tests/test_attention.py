@@ -121,6 +121,46 @@ def test_merged_draft_layer_computes_the_fused_one(pallas_interpret):
     np.testing.assert_array_equal(np.asarray(vm), np.asarray(vf))
 
 
+def test_fused_mlp_draft_layer_computes_the_fused_one(pallas_interpret, monkeypatch):
+    """`ExecConfig(draft="fused-mlp")`: a draft step whose MLP input (norm row scale,
+    gate/up, activation) is one kernel gives the fused draft step's logits and cache (fp32:
+    to rounding; layer 0's K/V exactly); the kernel runs in drafts, never in a
+    verify (whose logits stay bit for bit the fused config's)."""
+    import dataclasses
+
+    from pallas_kernels import draft_mlp
+    from vegas_jax.model import forward, layout_params
+    from tests.tiny import tiny_model
+
+    m = tiny_model(scale=0.3)
+    fused = dataclasses.replace(PALLAS, draft="fused")
+    mlp = dataclasses.replace(PALLAS, draft="fused-mlp")
+    assert ExecConfig(draft="fused-mlp").resolve("cpu").draft == "fused"  # XLA path: no use
+    with pytest.raises(ValueError, match="one device"):
+        ExecConfig(draft="fused-mlp", tp=2)
+    p = layout_params(m.params, mlp)
+    cfg = m.config
+    cache, plan, tok, pos = _draft_inputs(cfg)
+    calls = []
+    kernel = draft_mlp.norm_gate_up
+    monkeypatch.setattr(draft_mlp, "norm_gate_up",
+                        lambda *a, **k: calls.append(a[0].shape) or kernel(*a, **k))
+
+    def run(xc, plan):
+        logits, c, _ = forward(p, cfg, xc, tok, pos, cache, plan)
+        return np.asarray(logits), np.asarray(c.k)
+
+    (lf, kf), (lm, km) = run(fused, plan), run(mlp, plan)
+    assert calls  # traced once (the layers run in a loop)
+    np.testing.assert_allclose(lm, lf, rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(km[0], kf[0])  # later layers' inputs differ by rounding
+    np.testing.assert_allclose(km, kf, rtol=1e-5, atol=1e-5)
+    calls.clear()
+    vf, vm = run(fused, AttnPlan())[0], run(mlp, AttnPlan())[0]
+    assert not calls
+    np.testing.assert_array_equal(vm, vf)
+
+
 def test_padded_draft_rows_change_nothing(pallas_interpret):
     """`ExecConfig.row_pad`: a fused draft of 3 sequences carried as 8 rows (5 padding rows
     through every layer, dropped before the LM head) gives the unpadded draft's logits

@@ -694,12 +694,14 @@ def test_drive_keeps_one_call_in_flight():
 
 
 @pytest.mark.parametrize("method,draft", [("vegas", "fused"), ("stream", "split"),
-                                         ("vegas-heads", "fused")])
-def test_pallas_kernels_end_to_end_equal_the_xla_path(pallas_interpret, method, draft):
+                                         ("vegas-heads", "fused"), ("vegas", "fused-mlp")])
+def test_pallas_kernels_end_to_end_equal_the_xla_path(pallas_interpret, monkeypatch, method,
+                                                      draft):
     """speculative_generate through the Pallas kernels (interpret mode on the CPU: prefill,
     verify with capture, sparse drafts as one fused kernel a layer or split around the
-    sparse-attention kernel) gives the XLA path's tokens, which are vanilla's; the fused
-    drafts' acceptance equals the XLA drafts' (same attention, so the same drafts)."""
+    sparse-attention kernel, the MLP input as one kernel too) gives the XLA path's tokens,
+    which are vanilla's; the fused drafts' acceptance equals the XLA drafts' (same
+    attention and MLP to rounding, so the same drafts)."""
     m = tiny_model(scale=0.3)
     xc = ExecConfig(draft=draft)
     # norms folded into the projections, as loading does: the fused draft kernel then
@@ -708,9 +710,17 @@ def test_pallas_kernels_end_to_end_equal_the_xla_path(pallas_interpret, method, 
     rng = np.random.default_rng(11)
     prompts = [rng.integers(0, 100, size=n).tolist() for n in (45, 130)]
     spec = SpecConfig(method=method, gamma=3, min_tokens=8)
+    from pallas_kernels import draft_mlp
+
+    mlp_calls = []  # traced calls of the draft MLP kernel
+    kernel = draft_mlp.norm_gate_up
+    monkeypatch.setattr(draft_mlp, "norm_gate_up",
+                        lambda *a, **k: mlp_calls.append(a[0].shape) or kernel(*a, **k))
     ref = generate(m, prompts, 16, attn_impl="xla")
     xla = speculative_generate(m, prompts, 16, spec, attn_impl="xla")
+    assert not mlp_calls
     pallas = speculative_generate(m, prompts, 16, spec, attn_impl="pallas")
+    assert bool(mlp_calls) == (draft == "fused-mlp")
     assert pallas.stats["attn_impl"] == "pallas"
     assert xla.tokens == ref.tokens
     assert pallas.stats["tau"] == xla.stats["tau"]

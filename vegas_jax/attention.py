@@ -254,7 +254,7 @@ def fused_draft(plan: AttnPlan, xc, cfg) -> bool:
     (projection biases do not commute with the input norm's row scale the kernel applies,
     and its in-kernel normalisation has no sink term)."""
     return (plan.mode == "sparse" and plan.picker is None and xc.attn == "pallas"
-            and xc.draft in ("fused", "merged")
+            and xc.draft in ("fused", "merged", "fused-mlp")
             and not (cfg.attn_bias or cfg.attn_sinks or cfg.sliding_layers))
 
 

@@ -15,7 +15,7 @@ import jax
 ATTN = ("auto", "pallas", "xla")
 GEMM = ("auto", "triton", "cublas")
 LAYERS = ("auto", "scan", "unrolled")
-DRAFT = ("auto", "fused", "split", "merged")
+DRAFT = ("auto", "fused", "split", "merged", "fused-mlp")
 SELECT = ("auto", "capture", "fused", "pallas", "xla")
 PREFILL = ("auto", "pallas", "cudnn")
 MOE = ("auto", "xla", "mosaic", "triton", "pallas")
@@ -52,7 +52,10 @@ class ExecConfig:
       fused, and a draft layer's four matmuls as three through draft-only weights made at
       load (`model.merge_draft`: the MLP's gate/up rides on the input projection and on
       the output projection through wo @ w_gate_up; dense models, one device; more weight
-      memory: for small models whose draft matmuls are launch bound).
+      memory: for small models whose draft matmuls are launch bound). "fused-mlp": fused,
+      and a draft layer's MLP input -- the norm's row scale, the gate/up matmul and
+      silu(gate) * up, three kernels -- as one Pallas kernel (`pallas_kernels.draft_mlp`;
+      dense models with folded norm weights, one device).
     select: the selection's top-k: "capture", one kernel from the verify's captured logits
       for all layers (scores, carry, threshold and compaction: `capture_select`; where the
       method and model allow it -- the mean of softmax weights, one device, no sliding
@@ -100,8 +103,9 @@ class ExecConfig:
             raise ValueError(f"tp must be a whole number >= 1, got {self.tp}")
         if int(self.row_pad) != self.row_pad or self.row_pad < 1:
             raise ValueError(f"row_pad must be a whole number >= 1, got {self.row_pad}")
-        if self.draft == "merged" and self.tp > 1:
-            raise ValueError("draft='merged' runs on one device: use draft='fused' with tp > 1")
+        if self.draft in ("merged", "fused-mlp") and self.tp > 1:
+            raise ValueError(f"draft={self.draft!r} runs on one device: use draft='fused' "
+                             "with tp > 1")
         if self.moe in ("mosaic", "pallas") and self.tp > 1:
             raise ValueError(f"moe={self.moe!r} runs on one device: use moe='xla' with tp > 1")
 
@@ -121,8 +125,9 @@ class ExecConfig:
             attn=attn,
             gemm=self.gemm if self.gemm != "auto" else ("cublas" if gpu else "triton"),
             layers=self.layers if self.layers != "auto" else ("unrolled" if gpu else "scan"),
-            # the merged weights serve the fused Pallas draft only: elsewhere, none made
-            draft=("fused" if self.draft == "auto" or (self.draft == "merged" and attn != "pallas")
+            # the merged weights and the MLP kernel serve the fused Pallas draft only
+            draft=("fused" if self.draft == "auto" or (self.draft in ("merged", "fused-mlp")
+                                                         and attn != "pallas")
                    else self.draft),
             select=select_impl(self.select, attn),
             prefill=self.prefill if self.prefill != "auto" else ("cudnn" if gpu else "pallas"),
@@ -190,7 +195,9 @@ def add_exec_args(p) -> None:
                    "write, sparse attention) as one fused kernel (auto) or split into XLA "
                    "ops around the sparse-attention kernel; merged: fused, and the draft "
                    "layer's four matmuls as three through extra draft-only weights (dense "
-                   "models, one device)")
+                   "models, one device); fused-mlp: fused, and the draft layer's MLP input "
+                   "(norm, gate/up, activation) as one Pallas kernel (dense models, one "
+                   "device)")
     p.add_argument("--draft-row-pad", type=int, default=8, metavar="N",
                    help="fused drafts of dense models carry their batch padded to a "
                    "multiple of N rows, so that cuBLAS pads no matmul input (1: off)")

@@ -23,7 +23,7 @@ import numpy as np
 from flax import struct
 from jax import lax
 
-from pallas_kernels import grouped_matmul
+from pallas_kernels import draft_mlp, grouped_matmul
 from pallas_kernels.sparse_attention import rope_halves
 from vegas_jax.attention import (
     AttnPlan, RawCapture, attention, capture_start, fused_draft, sparse_block,
@@ -176,7 +176,7 @@ def _layer(cfg: ModelConfig, xc: ExecConfig, write: bool, plan: AttnPlan, cos, s
                                            x.reshape(b, -1) if scaled_in_kernel else None)
         if merged:
             return _merged_mlp(cfg, x, o, gate_up_x, lp), k_cache, v_cache, None
-        return _mlp(cfg, xc, x, o, lp), k_cache, v_cache, None
+        return _mlp(cfg, xc, x, o, lp, draft=True), k_cache, v_cache, None
     # columns per shard: [q_i | k_i | v_i] for each of the tp shards (`sharding`)
     per = qkv.reshape(b, t, xc.tp, -1)  # [b, t, tp, (n + 2k)*d / tp]
     nq, nk = k_heads * g * d // xc.tp, k_heads * d // xc.tp
@@ -203,11 +203,26 @@ def _layer(cfg: ModelConfig, xc: ExecConfig, write: bool, plan: AttnPlan, cos, s
     return _mlp(cfg, xc, x, o, lp), k_cache, v_cache, scores
 
 
-def _mlp(cfg: ModelConfig, xc: ExecConfig, x, o, lp: LayerParams):
-    """The layer after attention: output projection, residual, MLP, residual."""
+def draft_mlp_kernel(xc: ExecConfig, lp: LayerParams) -> bool:
+    """Whether a fused draft layer's MLP input runs as `draft_mlp.norm_gate_up` (one
+    kernel for the norm's row scale, gate/up and the activation): `ExecConfig.draft`
+    "fused-mlp", a dense MLP whose norm weight is folded into w_gate_up, one device, and
+    widths the kernel tiles."""
+    return (xc.draft == "fused-mlp" and xc.tp == 1 and lp.w_gate_up is not None
+            and lp.mlp_norm is None
+            and draft_mlp.tile_for(lp.w_gate_up.shape[-2], lp.w_gate_up.shape[-1] // 2)
+            is not None)
+
+
+def _mlp(cfg: ModelConfig, xc: ExecConfig, x, o, lp: LayerParams, draft: bool = False):
+    """The layer after attention: output projection, residual, MLP, residual. draft: a
+    fused draft layer's (`draft_mlp_kernel`)."""
     b, t, _ = x.shape
     attn = mm("btn,nh->bth", o.reshape(b, t, -1).astype(x.dtype), lp.wo)
     x = x + (attn if lp.bo is None else attn + lp.bo)
+    if draft and draft_mlp_kernel(xc, lp):
+        act = draft_mlp.norm_gate_up(x.reshape(b * t, -1), lp.w_gate_up, eps=cfg.rms_norm_eps)
+        return x + mm("btf,fh->bth", act.reshape(b, t, -1), lp.w_down)
     h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
     if cfg.is_moe:
         impl = "xla" if xc.moe == "auto" else xc.moe
