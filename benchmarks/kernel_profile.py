@@ -121,6 +121,10 @@ def build_parser():
     p.add_argument("--gmm-tiles", default=None, metavar="SPECS",
                    help="time the decode and draft steps once per few-rows expert-kernel "
                    "tile (MoE models), each 'block_k,block_n,warps,stages,loop' (loop 0/1)")
+    p.add_argument("--whole-tiles", default=None, metavar="SPECS",
+                   help="time the draft step and the round once per whole-pair "
+                   "`sparse_step` tile, each 'block_k,warps,stages,merge_tail,write_last' "
+                   "(0/1), ';' between them")
     p.add_argument("--verify-blocks", default=None, metavar="SPECS",
                    help="time the verify (with capture) and the decode step once per "
                    "verify-kernel tile, each 'block_k,warps,stages', ';' between them")
@@ -192,7 +196,7 @@ def main(argv=None) -> int:
               f"{memory_line('it')}")
         out[name] = report(kernel_times(fn), tag + label, per=per, top=args.top,
                            wall=wall_ms(fn) / per)
-    if args.split_wide or args.verify_blocks or args.gmm_tiles:
+    if args.split_wide or args.verify_blocks or args.gmm_tiles or args.whole_tiles:
         import dataclasses
 
         from pallas_kernels import grouped_matmul as gm
@@ -202,6 +206,11 @@ def main(argv=None) -> int:
         def split_wide(bk, w, st, t):
             sa.STEP_BLOCKS = dataclasses.replace(sa.STEP_BLOCKS, split_wide=sa.SparseBlocks(
                 block_k=bk, num_warps=w, num_stages=st, target_programs=t))
+
+        def whole_tile(bk, w, st, merge, late):
+            sa.STEP_BLOCKS = dataclasses.replace(sa.STEP_BLOCKS, whole=sa.SparseBlocks(
+                block_k=bk, num_warps=w, num_stages=st, merge_tail=bool(merge),
+                write_last=bool(late)))
 
         def verify_blocks(bk, w, st):
             va.VERIFY_BLOCKS = dataclasses.replace(va.VERIFY_BLOCKS, block_k=bk, num_warps=w,
@@ -217,7 +226,9 @@ def main(argv=None) -> int:
                    [("verify+capture", lambda: ph.verify(True), 1),
                     ("decode step", ph.vanilla, 8)]),
                   (args.gmm_tiles, "gmm tile", gmm_tile,
-                   [("decode step", ph.vanilla, 8), ("draft step", ph.draft, args.gamma)])]
+                   [("decode step", ph.vanilla, 8), ("draft step", ph.draft, args.gamma)]),
+                  (args.whole_tiles, "whole tile", whole_tile,
+                   [("draft step", ph.draft, args.gamma), ("round", ph.round, 1)])]
         for specs, what, apply, timed in sweeps:
             for spec in (specs.split(";") if specs else []):
                 apply(*(int(v) for v in spec.split(",")))

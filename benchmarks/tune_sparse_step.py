@@ -73,7 +73,7 @@ FEW_GRID = [("default", StepBlocks())] + [
 MERGE_GRID = [("default", StepBlocks())] + [
     (f"whole bk{bk} w{w} s{st}{' merged' if mg else ''}{' late' if lt else ''}",
      whole_tile(bk, w, st, mg, lt))
-    for bk, w, st in ((64, 2, 3), (64, 2, 4), (128, 4, 3))
+    for bk, w, st in ((64, 2, 3), (128, 4, 3))
     for mg in (False, True) for lt in (False, True)]
 GRIDS = {"default": CANDIDATES, "split": SPLIT_GRID, "batch": BATCH_GRID, "few": FEW_GRID,
          "merge": MERGE_GRID, "one": [("default", StepBlocks())]}

@@ -56,3 +56,21 @@ def test_gmm_tile_sweep_times_each_tile(tmp_path, capsys, monkeypatch):
     assert "decode step, gmm tile 64,128,8,2,0" in out and "draft step, gmm tile" in out
     assert gm.GMM_TILE == gm.GmmTile(block_k=64, block_n=128, num_warps=8, num_stages=2,
                                      loop=False)
+
+
+def test_whole_tile_sweep_swaps_the_step_blocks(tmp_path, capsys, monkeypatch):
+    """--whole-tiles: the draft step and the round once per whole-pair draft-kernel tile,
+    the module's STEP_BLOCKS swapped (its knobs read when the kernels are traced)."""
+    from pallas_kernels import sparse_attention as sa
+
+    cfg = tiny_config("llama", vocab=256, layers=2)
+    monkeypatch.setitem(config.REGISTRY, cfg.name, cfg)
+    monkeypatch.setattr(sa, "STEP_BLOCKS", sa.STEP_BLOCKS)
+    rc = kernel_profile.main(["--model", cfg.name, "--batch", "1", "--context", "200",
+                              "--gamma", "2", "--attn-impl", "xla", "--phases", "decode",
+                              "--whole-tiles", "32,2,3,1,1"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "draft step, whole tile 32,2,3,1,1" in out and "round, whole tile" in out
+    assert sa.STEP_BLOCKS.whole == sa.SparseBlocks(block_k=32, num_warps=2, num_stages=3,
+                                                   merge_tail=True, write_last=True)
