@@ -4,7 +4,7 @@
 # kernel, in isolation and in the model (BENCHMARKS.md 2026-12-06 c says why).
 #   bash benchmarks/draft_fixed_cost.sh [part ...]     (default: tune mlp profile)
 #   tune:    tune_sparse_step --candidates merge at B 64 and 128
-#   mlp:     tune_draft_gemm --what mlp at 64 and 128 rows
+#   mlp:     tune_draft_gemm --what mlp at 64 and 128 rows (SmolLM2), 8 (Qwen3-8B)
 #   profile: the model's draft step and round at B 64 for each whole tile, then
 #            --draft-attn fused vs fused-mlp
 # Output under $OUT (one file a part).
@@ -20,8 +20,10 @@ for part in ${*:-tune mlp profile}; do
     tune) for b in 64 128; do
             timeout 150 python3 -m benchmarks.tune_sparse_step --candidates merge --batch $b
           done 2>&1 | grep -v -i warn | grep -v "check:.*True$" | tee "$OUT/tune_merge.txt" ;;
-    mlp) timeout 150 python3 -m benchmarks.tune_draft_gemm --what mlp --rows 64,128 2>&1 |
-           grep -v -i warn | tee "$OUT/draft_mlp.txt" ;;
+    mlp) { timeout 150 python3 -m benchmarks.tune_draft_gemm --what mlp --rows 64,128
+           # Qwen3-8B's draft rows at B 4 (padded to 8): large weights, cuBLAS at its floor
+           timeout 120 python3 -m benchmarks.tune_draft_gemm --model qwen3-8b --what mlp \
+             --rows 8 --layers 4; } 2>&1 | grep -v -i warn | tee "$OUT/draft_mlp.txt" ;;
     profile)
       { timeout 150 $P --phases draft,round \
           --whole-tiles "64,2,3,0,0;64,2,3,1,0;64,2,3,0,1;64,2,3,1,1" --json "$OUT/kp_tiles.json"
