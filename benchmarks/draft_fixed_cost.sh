@@ -3,6 +3,8 @@
 # the whole-pair draft kernel's merge_tail / write_last knobs and the fused-MLP draft
 # kernel, in isolation and in the model (BENCHMARKS.md 2026-12-06 c says why).
 #   bash benchmarks/draft_fixed_cost.sh [part ...]     (default: tune mlp profile)
+# All three take ~10 min: within one call's limit only just, so run `tune mlp` and then
+# `profile` as two calls on the warm machine.
 #   tune:    tune_sparse_step --candidates merge at B 64 and 128
 #   mlp:     tune_draft_gemm --what mlp at 64 and 128 rows (SmolLM2), 8 (Qwen3-8B)
 #   profile: the model's draft step and round at B 64 for each whole tile, then
