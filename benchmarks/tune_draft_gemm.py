@@ -105,6 +105,8 @@ def main():
     opts = {"xla_gpu_enable_triton_gemm": False}  # as `ExecConfig(gemm="cublas")`
     print(f"{jax.devices()[0].device_kind}, {a.model}, {a.layers} weight sets a shape")
     what = a.what.split(",")
+    if not what or set(what) - {"gemm", "mlp"}:
+        p.error(f"--what takes gemm and/or mlp, got {a.what!r}")
     for m in (int(r) for r in a.rows.split(",")):
         if "mlp" in what:
             mlp_rows(cfg, m, a.layers, opts)
