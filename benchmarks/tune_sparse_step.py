@@ -63,8 +63,9 @@ SPLIT_GRID = [("default", StepBlocks())] + [
 BATCH_GRID = [("default", StepBlocks())] + [
     (f"split t{t} bk{bk} w{w} s3", split_tile(t, bk, w, 3))
     for t in (1056, 2112, 4224) for bk in (32, 64) for w in (2, 4)]
-# two or three programs a pair with the whole-pair tile (its cost is a fixed ~5.5 us plus
-# ~1.2 us a 64-entry block at B 64: BENCHMARKS.md 2026-12-06 c)
+# two or three programs a pair with the whole-pair tile: no faster than one (the whole
+# kernel's cost is ~6.3 us fixed plus its bytes at ~2.7 TB/s, whatever the grid, and the
+# combine adds ~2 us at B 64: BENCHMARKS.md 2026-12-06 c)
 FEW_GRID = [("default", StepBlocks())] + [
     (f"split t{t} bk{bk} w2 s3", split_tile(t, bk, 2, 3))
     for t in (384, 576, 768) for bk in (64, 32)]
@@ -156,8 +157,7 @@ def main():
                    "path's grid sizes, tiles, warps and stages (split), wide splits "
                    "against the whole-pair default at many sequences (batch), two or "
                    "three programs a pair (few), the list and tail in one loop and the "
-                   "cache write last (merge), "
-                   "or the default alone (one)")
+                   "cache write last (merge), or the default alone (one)")
     a = p.parse_args()
     L, kh, g = a.layers, a.kv_heads, a.group
     x = step_inputs(a)
