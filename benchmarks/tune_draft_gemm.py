@@ -101,12 +101,12 @@ def main():
                    help="gemm: each matmul against grouped_matmul's tiles; mlp: the MLP "
                    "input against norm_gate_up's tiles")
     a = p.parse_args()
+    what = a.what.split(",")
+    if set(what) - {"gemm", "mlp"}:
+        p.error(f"--what takes gemm and/or mlp, got {a.what!r}")
     cfg = get_config(a.model)
     opts = {"xla_gpu_enable_triton_gemm": False}  # as `ExecConfig(gemm="cublas")`
     print(f"{jax.devices()[0].device_kind}, {a.model}, {a.layers} weight sets a shape")
-    what = a.what.split(",")
-    if not what or set(what) - {"gemm", "mlp"}:
-        p.error(f"--what takes gemm and/or mlp, got {a.what!r}")
     for m in (int(r) for r in a.rows.split(",")):
         if "mlp" in what:
             mlp_rows(cfg, m, a.layers, opts)

@@ -102,7 +102,7 @@ class SparseBlocks:
     num_warps: int = 4
     num_stages: int = 2
     target_programs: int = 528
-    # whole-pair programs only: walk the list and the tail in one loop (`merged`), not two
+    # whole-pair programs only: walk the list and the tail in one loop (`merged_plan`)
     merge_tail: bool = False
     # `sparse_step`: write the new token's K/V after the walk instead of before it
     write_last: bool = False
@@ -163,14 +163,14 @@ def merged_plan(idx_ref, cnt_ref, ts_ref, il, bi, hi, qpos, *, block_k, n_idx, t
 
 def _chunk_attention(q_parts, k_ref, v_ref, idx_ref, cnt_ref, ts_ref, layer, il, bi, h, hi,
                      j, qpos, *, block_k, chunk, n_sel, n_idx, tail_len, s_len, scale,
-                     skip_qpos, one_program=False, live=None, merge_tail=False, plan=None):
+                     skip_qpos, one_program=False, live=None, plan=None):
     """Online softmax of program j's chunk (selected entries or tail) for one (sequence,
     KV head). q_parts: ((q [rows, w], last-axis slice of the cache rows it multiplies),
     ...): the logits are the sum of their dots (RoPE's two halves, or the whole row).
     With `skip_qpos`, entries at the query's own position are left out and counted: its
     K/V is written by this very call, so the caller adds it from registers.
-    `one_program`: this program covers the whole list and then the whole tail; with
-    `merge_tail`, in one loop (`merged_plan`, or `plan`: its result, computed earlier).
+    `one_program`: this program covers the whole list and then the whole tail; given
+    `plan` (`merged_plan`'s result, `SparseBlocks.merge_tail`), both in one loop.
     `live` (traced bool or None): False walks no entry (a padding row's program).
     Returns (o [rows, d], m [rows], l [rows], hits)."""
     rows = q_parts[0][0].shape[0]
@@ -245,16 +245,11 @@ def _chunk_attention(q_parts, k_ref, v_ref, idx_ref, cnt_ref, ts_ref, layer, il,
         return walk(nblk, lambda i: jnp.minimum(t0 + e0 + i * tail_bk + tr, qpos),
                     lambda i: e0 + i * tail_bk + tr < n_valid, carry)
 
-    def merged(carry):
-        total, positions, first = plan or merged_plan(
-            idx_ref, cnt_ref, ts_ref, il, bi, hi, qpos, block_k=block_k, n_idx=n_idx,
-            tail_len=tail_len)
+    if one_program and plan is not None:
+        total, positions, first = plan
         return walk(pl.cdiv(total, block_k), positions, lambda i: i * block_k + kr < total,
-                    carry, first)
-
+                    carry0, first)
     if one_program:
-        if merge_tail:
-            return merged(carry0)
         return tail(selected(carry0)) if tail_len > 0 else selected(carry0)
     if tail_len > 0:
         return lax.cond(j < n_sel, selected, tail, carry0)
@@ -403,7 +398,7 @@ def _rope(x1, x2, cos, sin):
 
 
 def _step_kernel(layer_ref, il, qkv_ref, *refs, per_head, g, kh, qk_norm, eps, normalize,
-                 hidden, write_last, **kw):
+                 hidden, write_last, merge_tail, **kw):
     # layer_ref [1]; il the index layer; qkv_ref [b, n + 2k, d] (raw projection: q heads |
     # k heads | v heads); x_ref [b, hidden] (the layer's input, when `hidden`: qkv is then
     # its projection before the RMS norm's row scale, applied here);
@@ -429,7 +424,7 @@ def _step_kernel(layer_ref, il, qkv_ref, *refs, per_head, g, kh, qk_norm, eps, n
     layer = layer_ref[0]
     qpos = qp_ref[bi]
     plan = None
-    if normalize and kw["merge_tail"]:  # the walk's first loads before the prologue's
+    if normalize and merge_tail:  # the walk's first loads before the prologue's
         plan = merged_plan(idx_ref, cnt_ref, ts_ref, il, bi, hi, qpos, block_k=kw["block_k"],
                            n_idx=kw["n_idx"], tail_len=kw["tail_len"])
     d = qkv_ref.shape[-1]
@@ -618,7 +613,7 @@ def sparse_step(qkv, q_norm, k_norm, rope, k_cache, v_cache, layer, idx, count, 
         _step_kernel, block_k=bk, chunk=chunk, n_sel=n_sel, n_idx=n_idx, tail_len=tail_len,
         s_len=s, scale=d**-0.5, per_head=per_head, g=g, kh=kh, qk_norm=qk_norm, eps=eps,
         normalize=normalize, hidden=0 if x is None else x.shape[-1],
-        merge_tail=normalize and blocks.merge_tail, write_last=blocks.write_last),
+        merge_tail=blocks.merge_tail, write_last=blocks.write_last),
         layer, idx_layer)
     norms = [q_norm.astype(qkv.dtype), k_norm.astype(qkv.dtype)] if qk_norm else []
     xs = [] if x is None else [x]
