@@ -159,6 +159,10 @@ def test_fused_mlp_draft_layer_computes_the_fused_one(pallas_interpret, monkeypa
     vf, vm = run(fused, AttnPlan())[0], run(mlp, AttnPlan())[0]
     assert not calls
     np.testing.assert_array_equal(vm, vf)
+    # layers whose gate/up weights exceed the bound keep XLA's three kernels
+    monkeypatch.setattr(draft_mlp, "SMALL_BYTES", 0)
+    jax.clear_caches()  # a traced draft step would keep the kernel
+    assert np.array_equal(run(mlp, plan)[0], lf) and not calls
 
 
 def test_padded_draft_rows_change_nothing(pallas_interpret):

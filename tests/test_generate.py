@@ -110,6 +110,11 @@ def test_exec_config_resolution():
     assert cpu.compiler_options() == {}
     assert ExecConfig(gemm="triton").resolve("gpu").compiler_options() == {}
     assert ExecConfig(layers="scan").resolve("gpu").layers == "scan"
+    # the draft MLP kernel: the GPU default on one device, never on the XLA path
+    assert gpu.draft == "fused-mlp" and cpu.draft == "fused"
+    assert ExecConfig(tp=2).resolve("gpu").draft == "fused"
+    assert ExecConfig(attn="xla").resolve("gpu").draft == "fused"
+    assert ExecConfig(draft="split").resolve("gpu").draft == "split"
     with pytest.raises(ValueError, match="layers"):
         ExecConfig(layers="python")
 

@@ -55,7 +55,9 @@ class ExecConfig:
       memory: for small models whose draft matmuls are launch bound). "fused-mlp": fused,
       and a draft layer's MLP input -- the norm's row scale, the gate/up matmul and
       silu(gate) * up, three kernels -- as one Pallas kernel (`pallas_kernels.draft_mlp`;
-      dense models with folded norm weights, one device).
+      dense models with folded norm weights, one device; only in layers whose gate/up
+      weights are small enough that three kernels cost more than their bytes:
+      `draft_mlp.SMALL_BYTES`).
     select: the selection's top-k: "capture", one kernel from the verify's captured logits
       for all layers (scores, carry, threshold and compaction: `capture_select`; where the
       method and model allow it -- the mean of softmax weights, one device, no sliding
@@ -79,7 +81,8 @@ class ExecConfig:
       B 4 XLA did so with a pad kernel before each of a draft layer's four matmuls (8 % of
       a Qwen3-8B draft step). 1: no padding.
     "auto" resolves by backend: on the GPU cuBLAS and unrolled layers; elsewhere the XLA
-    path and a scan; fused drafts wherever the Pallas kernels run; the selection's kernel
+    path and a scan; fused drafts wherever the Pallas kernels run (with the MLP kernel on
+    the GPU without tensor parallelism: "fused-mlp"); the selection's kernel
     where the attention's are; cuDNN prefills on the GPU; the Pallas grouped matmuls
     (triton for few rows, mosaic for many) on a Hopper GPU without tensor parallelism."""
 
@@ -125,16 +128,20 @@ class ExecConfig:
             attn=attn,
             gemm=self.gemm if self.gemm != "auto" else ("cublas" if gpu else "triton"),
             layers=self.layers if self.layers != "auto" else ("unrolled" if gpu else "scan"),
-            # the merged weights and the MLP kernel serve the fused Pallas draft only
-            draft=("fused" if self.draft == "auto" or (self.draft in ("merged", "fused-mlp")
-                                                         and attn != "pallas")
-                   else self.draft),
+            draft=self._draft(attn, gpu),
             select=select_impl(self.select, attn),
             prefill=self.prefill if self.prefill != "auto" else ("cudnn" if gpu else "pallas"),
             moe=moe,
             tp=self.tp,
             row_pad=self.row_pad,
         )
+
+    def _draft(self, attn: str, gpu: bool) -> str:
+        if attn != "pallas":  # the merged weights and the MLP kernel serve the fused draft
+            return "fused" if self.draft in ("auto", "merged", "fused-mlp") else self.draft
+        if self.draft == "auto":  # the MLP kernel pays on the GPU (BENCHMARKS.md 12-06 d)
+            return "fused-mlp" if gpu and self.tp == 1 else "fused"
+        return self.draft
 
     @property
     def resolved(self) -> bool:
@@ -192,12 +199,13 @@ def add_exec_args(p) -> None:
                    "N must divide the model's KV heads)")
     p.add_argument("--draft-attn", default="auto", choices=DRAFT,
                    help="Pallas path only: a draft step's attention block (norm, RoPE, K/V "
-                   "write, sparse attention) as one fused kernel (auto) or split into XLA "
+                   "write, sparse attention) as one fused kernel or split into XLA "
                    "ops around the sparse-attention kernel; merged: fused, and the draft "
                    "layer's four matmuls as three through extra draft-only weights (dense "
                    "models, one device); fused-mlp: fused, and the draft layer's MLP input "
-                   "(norm, gate/up, activation) as one Pallas kernel (dense models, one "
-                   "device)")
+                   "(norm, gate/up, activation) as one Pallas kernel where its weights are "
+                   "small (dense models, one device); auto: fused-mlp on the GPU with --tp "
+                   "1, else fused")
     p.add_argument("--draft-row-pad", type=int, default=8, metavar="N",
                    help="fused drafts of dense models carry their batch padded to a "
                    "multiple of N rows, so that cuBLAS pads no matmul input (1: off)")

@@ -206,10 +206,12 @@ def _layer(cfg: ModelConfig, xc: ExecConfig, write: bool, plan: AttnPlan, cos, s
 def draft_mlp_kernel(xc: ExecConfig, lp: LayerParams) -> bool:
     """Whether a fused draft layer's MLP input runs as `draft_mlp.norm_gate_up` (one
     kernel for the norm's row scale, gate/up and the activation): `ExecConfig.draft`
-    "fused-mlp", a dense MLP whose norm weight is folded into w_gate_up, one device, and
-    widths the kernel tiles."""
+    "fused-mlp", a dense MLP whose norm weight is folded into w_gate_up, one device,
+    widths the kernel tiles, and gate/up weights of at most `draft_mlp.SMALL_BYTES`."""
     return (xc.draft == "fused-mlp" and xc.tp == 1 and lp.w_gate_up is not None
             and lp.mlp_norm is None
+            and (lp.w_gate_up.shape[-2] * lp.w_gate_up.shape[-1]
+                 * lp.w_gate_up.dtype.itemsize) <= draft_mlp.SMALL_BYTES
             and draft_mlp.tile_for(lp.w_gate_up.shape[-2], lp.w_gate_up.shape[-1] // 2)
             is not None)
 
