@@ -48,10 +48,10 @@ MLP_TILE = MlpTile()  # read at call time (a tuning benchmark swaps it)
 
 # The kernel pays where a layer's gate/up weights are small enough that three kernels'
 # fixed costs outweigh their bytes: a SmolLM2-135M draft step (3.5 MB a layer) 1.174 ->
-# 1.108 ms at B 64, while at Qwen3-8B's 201 MB it reads at a third of cuBLAS's rate
-# (BENCHMARKS.md 2026-12-06 d). Sizes between were not measured; the bound stays near
-# the measured win.
-SMALL_BYTES = 16 << 20
+# 1.108 ms at B 64, while it reads weights at ~0.6-0.9 TB/s against cuBLAS's ~2.8 at
+# Qwen3-8B's 201 MB (3x slower; BENCHMARKS.md 2026-12-06 d). By those rates the break-even
+# is ~5 MB; sizes between were not measured, so the bound stays at the measured win.
+SMALL_BYTES = 4 << 20
 
 
 def norm_gate_up_reference(x, w_gate_up, *, eps: float):
