@@ -102,9 +102,12 @@ class SparseBlocks:
     num_warps: int = 4
     num_stages: int = 2
     target_programs: int = 528
-    # whole-pair programs only: walk the list and the tail in one loop (`merged_plan`)
+    # whole-pair programs only: walk the list and the tail in one loop (`merged_plan`).
+    # Off: measured level at B 64 (16.5 vs 16.3 us), 5 % faster at B 128 (24.7 vs 25.9),
+    # ~1 % of a round (BENCHMARKS.md 2026-12-06 d); not run end to end.
     merge_tail: bool = False
-    # `sparse_step`: write the new token's K/V after the walk instead of before it
+    # `sparse_step`: write the new token's K/V after the walk instead of before it.
+    # Off: measured level at B 64 and 128 (2026-12-06 d).
     write_last: bool = False
 
 
