@@ -26,7 +26,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
-from pallas_kernels.common import dot, pow2_at_least, whole
+from pallas_kernels.common import dot, pow2_at_least, sm_count, whole
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,10 +103,22 @@ def _kernel(x_ref, w_ref, o_ref, *, m, h, f, eps, block_m, block_k, block_n):
                mask=jnp.broadcast_to(ok, (block_m, block_n)))
 
 
+def one_wave(t: MlpTile, m: int, f: int) -> MlpTile:
+    """t with block_n doubled (up to 64, while it divides f) until the grid fits one wave
+    of the GPU's SMs: at 64 rows SmolLM2's 96 programs of 16 columns take 5.5 us, at 128
+    rows 192 of them 7.4 us and 96 of 32 columns 6.1 (BENCHMARKS.md 2026-12-06 d)."""
+    bm = min(t.block_m, pow2_at_least(m))
+    bn = t.block_n
+    while -(-m // bm) * (f // bn) > sm_count() and bn < 64 and f % (2 * bn) == 0:
+        bn *= 2
+    return dataclasses.replace(t, block_n=bn)
+
+
 def norm_gate_up(x, w_gate_up, *, eps: float, tile: MlpTile | None = None,
                  interpret: bool = False):
     """`norm_gate_up_reference` as one Pallas (Triton) kernel. x [m, h], w_gate_up [h, 2f];
-    h must be a multiple of 16 and f of 16 (`tile_for`). tile: default `MLP_TILE`.
+    h must be a multiple of 16 and f of 16 (`tile_for`). tile: default `MLP_TILE`, its
+    columns widened to one wave (`one_wave`); a given tile is used as it is.
     Returns [m, f] in x's dtype."""
     m, h = x.shape
     f = w_gate_up.shape[-1] // 2
@@ -115,6 +127,8 @@ def norm_gate_up(x, w_gate_up, *, eps: float, tile: MlpTile | None = None,
     t = tile_for(h, f, tile)
     if t is None:
         raise ValueError(f"hidden {h} and width {f} must be multiples of 16")
+    if tile is None:
+        t = one_wave(t, m, f)
     bm = min(t.block_m, pow2_at_least(m))
     kernel = functools.partial(_kernel, m=m, h=h, f=f, eps=eps, block_m=bm,
                                block_k=t.block_k, block_n=t.block_n)

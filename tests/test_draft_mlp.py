@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.draft_mlp import MlpTile, norm_gate_up, norm_gate_up_reference, tile_for
+from pallas_kernels.draft_mlp import (MlpTile, norm_gate_up, norm_gate_up_reference, one_wave,
+                                      tile_for)
 from tests.cuda import lower_cuda
 
 
@@ -47,6 +48,28 @@ def test_tile_for_shrinks_blocks_to_divide_the_widths():
     assert tile_for(576, 1536) == MlpTile()
     assert tile_for(48, 80, MlpTile(block_k=64, block_n=64)) == MlpTile(block_k=16, block_n=16)
     assert tile_for(40, 64) is None  # no block of 16+ divides 40
+
+
+def test_one_wave_widens_columns_until_the_grid_fits_the_sms(monkeypatch):
+    from pallas_kernels import draft_mlp
+
+    monkeypatch.setattr(draft_mlp, "sm_count", lambda: 132)
+    t = MlpTile()  # 64 rows, 16 columns
+    assert one_wave(t, 64, 1536).block_n == 16  # 96 programs
+    assert one_wave(t, 8, 1536).block_n == 16
+    assert one_wave(t, 128, 1536).block_n == 32  # 192 -> 96
+    assert one_wave(t, 256, 1536).block_n == 64  # 384 -> 96
+    assert one_wave(t, 1024, 1536).block_n == 64  # never past 64
+    assert one_wave(t, 128, 48).block_n == 16  # 32 does not divide 48
+    # the default tile is widened in the call; a given tile is kept
+    seen = []
+    monkeypatch.setattr(draft_mlp.pl, "pallas_call",
+                        lambda kernel, **kw: seen.append(kernel.keywords["block_n"])
+                        or (lambda *a: None))
+    x, w = jnp.zeros((128, 64)), jnp.zeros((64, 2 * 1536))
+    norm_gate_up(x, w, eps=1e-6, interpret=True)
+    norm_gate_up(x, w, eps=1e-6, tile=MlpTile(), interpret=True)
+    assert seen == [32, 16]
 
 
 def test_bad_shapes_raise():
