@@ -49,6 +49,23 @@ def test_methods_table_tiny_model(prompts_json, capsys):
               "vanilla_step_ms"):
         assert v[k] > 0, k
     assert "round_ms" not in rows["stream"]  # only the methods asked for are profiled
+    for r in rows.values():  # every call here runs the whole batch
+        assert r["full_batch_tok_s"] > 0 and len(r["tokens_by_call"]) == len(r["call_ms"])
+    # every token after each method's first call is in the trace
+    assert sum(rows["vanilla"]["tokens_by_call"]) == 2 * 16 - 2 - 2 * 8
+    assert 0 < sum(rows["vegas"]["tokens_by_call"]) <= 2 * 16 - 2
+
+
+def test_full_batch_rate_counts_only_whole_batch_calls():
+    row = {"call_ms": [10.0, 20.0, None, 5.0], "active_by_call": [2, 2, 2, 1],
+           "tokens_by_call": [8, 3, 6, 5]}
+    # calls 0 and 1 ran both sequences; call 2 untimed, call 3 one sequence
+    assert bench.full_batch_tok_s(row, 2) == pytest.approx(11 / 30.0 * 1e3)
+    assert bench.full_batch_tok_s(dict(row, active_by_call=[1, 1, 1, 1]), 2) is None
+    line = bench.tail_line(dict(row, method="vegas", gamma=3, sparsity=0.07,
+                                full_batch_tok_s=366.7), 2)
+    assert line == ("tail vegas g3 s0.07: all 2 active 15.00 ms (2 calls, 367 tok/s), "
+                    "<= 0 active -")
 
 
 def test_sparsities_run_each_method_at_each_budget(prompts_json, capsys):

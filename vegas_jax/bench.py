@@ -434,7 +434,9 @@ def run(args, model=None) -> list[dict]:
                        dispatch_ms_per_call=st["dispatch_ms_per_call"],
                        call_ms=st["call_ms"], active_by_call=st["active_by_call"],
                        rounds_by_sequence=st.get("rounds_by_sequence"),
+                       tokens_by_call=st["tokens_by_call"],
                        accepted_by_call=st.get("accepted_by_call"))
+            row["full_batch_tok_s"] = full_batch_tok_s(row, args.batch)
             if "auto" in st:
                 row["auto"] = st["auto"]
             if m == "vanilla":
@@ -468,16 +470,32 @@ def run(args, model=None) -> list[dict]:
     return rows
 
 
+def full_batch_tok_s(row, batch: int) -> float | None:
+    """Tokens a second over the timed calls that ran with every sequence active: the rate
+    a server that refills finished slots would see, free of the wait for this batch's
+    slowest sequence (which moves tok/s by up to ~10 % between runs of the same code:
+    BENCHMARKS.md 2026-12-02 f, 2026-12-06 d). None if no such call was timed."""
+    tokens = ms = 0.0
+    for m, a, n in zip(row["call_ms"], row["active_by_call"], row["tokens_by_call"]):
+        if m is not None and a == batch:
+            tokens, ms = tokens + n, ms + m
+    return tokens / ms * 1e3 if ms else None
+
+
 def tail_line(row, batch: int) -> str:
     """What the batch's tail cost: mean device ms of the calls that ran with every
-    sequence active, and of those with at most a quarter active (the batch waiting for
-    its slowest sequences; finished ones skip their attention)."""
+    sequence active (and their tokens a second, `full_batch_tok_s`), and of those with at
+    most a quarter active (the batch waiting for its slowest sequences; finished ones
+    skip their attention)."""
     def mean(sel):
         ms = [m for m, a in zip(row["call_ms"], row["active_by_call"]) if m is not None and sel(a)]
-        return f"{sum(ms) / len(ms):.2f} ms ({len(ms)} calls)" if ms else "-"
+        return f"{sum(ms) / len(ms):.2f} ms ({len(ms)} calls" if ms else "-"
     s = f" s{row['sparsity']:g}" if row.get("sparsity") is not None else ""
-    return (f"tail {row['method']} g{row.get('gamma')}{s}: all {batch} active {mean(lambda a: a == batch)}, "
-            f"<= {batch // 4} active {mean(lambda a: a <= batch // 4)}")
+    full, rate = mean(lambda a: a == batch), row.get("full_batch_tok_s")
+    full += "" if full == "-" else (f", {rate:.0f} tok/s)" if rate else ")")
+    quarter = mean(lambda a: a <= batch // 4)
+    quarter += "" if quarter == "-" else ")"
+    return f"tail {row['method']} g{row.get('gamma')}{s}: all {batch} active {full}, <= {batch // 4} active {quarter}"
 
 
 def format_table(rows, gamma) -> str:

@@ -366,13 +366,15 @@ class DecodeClock:
         self.first = None  # (time, tokens) at the end of the first call
         self.wait_s = self.host_s = self.dispatch_s = 0.0
         self.ready_calls = 0
-        self.arrivals: list[tuple[float, float, int]] = []  # (arrived, waited, active)
+        # (arrived, waited, active, tokens generated so far)
+        self.arrivals: list[tuple[float, float, int, int]] = []
 
     def tick(self, wait_s: float = 0.0, host_s: float = 0.0, dispatch_s: float = 0.0,
              arrived: float | None = None, active: int | None = None):
         self.calls += 1
         if arrived is not None and len(self.arrivals) < self.TRACE:
-            self.arrivals.append((arrived, wait_s, -1 if active is None else int(active)))
+            self.arrivals.append((arrived, wait_s, -1 if active is None else int(active),
+                                  self.collector.n_generated))
         if self.calls == 1:
             self.first = (time.perf_counter(), self.collector.n_generated)
             return
@@ -406,12 +408,15 @@ class DecodeClock:
 
     def trace(self) -> dict:
         """Per call (after the first): its device time in ms, where the host blocked on
-        both its output and the one before (else None: the interval holds host time), and
-        the sequences active when it ran (those left after the call before it). Shows
-        what a batch's tail costs: the rounds where few sequences are left."""
+        both its output and the one before (else None: the interval holds host time), the
+        sequences active when it ran (those left after the call before it) and the tokens
+        it emitted (with a refill, also the refilled prompts' first tokens). Shows what a
+        batch's tail costs: the rounds where few sequences are left."""
+        pairs = list(zip(self.arrivals, self.arrivals[1:]))
         ms = [round((t - t0) * 1e3, 3) if w >= self.WAITED_S and w0 >= self.WAITED_S else None
-              for (t0, w0, _), (t, w, _) in zip(self.arrivals, self.arrivals[1:])]
-        return {"call_ms": ms, "active_by_call": [a for _, _, a in self.arrivals[:-1]]}
+              for (t0, w0, *_), (t, w, *_) in pairs]
+        return {"call_ms": ms, "active_by_call": [a[2] for a in self.arrivals[:-1]],
+                "tokens_by_call": [b[3] - a[3] for a, b in pairs]}
 
 
 def eos_ids(model) -> tuple[int, ...]:
