@@ -52,6 +52,12 @@ MLP_TILE = MlpTile()  # read at call time (a tuning benchmark swaps it)
 # Qwen3-8B's 201 MB (3x slower; BENCHMARKS.md 2026-12-06 d). By those rates the break-even
 # is ~5 MB; sizes between were not measured, so the bound stays at the measured win.
 SMALL_BYTES = 4 << 20
+# ... and where the draft has many rows: at SmolLM2's widths the kernel takes ~5.9 us a
+# layer at 64 rows and 6.5 at 128 but 7.3-7.5 at 8-32 (its row tile shrinks with them),
+# where XLA's three kernels are faster: draft step 1.174 -> 1.108 ms at B 64, 1.508 ->
+# 1.489 at B 128, but 0.930 -> 0.948 at B 1, 0.927 -> 0.931 at B 16, 1.015 -> 1.023 at
+# B 32 (H100, BENCHMARKS.md 2026-12-06 d).
+MIN_ROWS = 64
 
 
 def norm_gate_up_reference(x, w_gate_up, *, eps: float):

@@ -145,6 +145,14 @@ def test_fused_mlp_draft_layer_computes_the_fused_one(pallas_interpret, monkeypa
     kernel = draft_mlp.norm_gate_up
     monkeypatch.setattr(draft_mlp, "norm_gate_up",
                         lambda *a, **k: calls.append(a[0].shape) or kernel(*a, **k))
+    rows = tok.shape[0] * tok.shape[1]
+    assert rows < draft_mlp.MIN_ROWS
+    lf = np.asarray(forward(p, cfg, fused, tok, pos, cache, plan)[0])
+    np.testing.assert_array_equal(np.asarray(forward(p, cfg, mlp, tok, pos, cache, plan)[0]),
+                                  lf)  # too few rows: XLA's kernels
+    assert not calls
+    monkeypatch.setattr(draft_mlp, "MIN_ROWS", rows)
+    jax.clear_caches()
 
     def run(xc, plan):
         logits, c, _ = forward(p, cfg, xc, tok, pos, cache, plan)

@@ -712,6 +712,7 @@ def test_pallas_kernels_end_to_end_equal_the_xla_path(pallas_interpret, monkeypa
     spec = SpecConfig(method=method, gamma=3, min_tokens=8)
     from pallas_kernels import draft_mlp
 
+    monkeypatch.setattr(draft_mlp, "MIN_ROWS", 1)  # two rows here
     mlp_calls = []  # traced calls of the draft MLP kernel
     kernel = draft_mlp.norm_gate_up
     monkeypatch.setattr(draft_mlp, "norm_gate_up",

@@ -203,12 +203,14 @@ def _layer(cfg: ModelConfig, xc: ExecConfig, write: bool, plan: AttnPlan, cos, s
     return _mlp(cfg, xc, x, o, lp), k_cache, v_cache, scores
 
 
-def draft_mlp_kernel(xc: ExecConfig, lp: LayerParams) -> bool:
+def draft_mlp_kernel(xc: ExecConfig, lp: LayerParams, rows: int) -> bool:
     """Whether a fused draft layer's MLP input runs as `draft_mlp.norm_gate_up` (one
     kernel for the norm's row scale, gate/up and the activation): `ExecConfig.draft`
     "fused-mlp", a dense MLP whose norm weight is folded into w_gate_up, one device,
-    widths the kernel tiles, and gate/up weights of at most `draft_mlp.SMALL_BYTES`."""
+    widths the kernel tiles, gate/up weights of at most `draft_mlp.SMALL_BYTES` and at
+    least `draft_mlp.MIN_ROWS` rows (where it was measured faster than XLA's kernels)."""
     return (xc.draft == "fused-mlp" and xc.tp == 1 and lp.w_gate_up is not None
+            and rows >= draft_mlp.MIN_ROWS
             and lp.mlp_norm is None
             and (lp.w_gate_up.shape[-2] * lp.w_gate_up.shape[-1]
                  * lp.w_gate_up.dtype.itemsize) <= draft_mlp.SMALL_BYTES
@@ -222,7 +224,7 @@ def _mlp(cfg: ModelConfig, xc: ExecConfig, x, o, lp: LayerParams, draft: bool = 
     b, t, _ = x.shape
     attn = mm("btn,nh->bth", o.reshape(b, t, -1).astype(x.dtype), lp.wo)
     x = x + (attn if lp.bo is None else attn + lp.bo)
-    if draft and draft_mlp_kernel(xc, lp):
+    if draft and draft_mlp_kernel(xc, lp, b * t):
         act = draft_mlp.norm_gate_up(x.reshape(b * t, -1), lp.w_gate_up, eps=cfg.rms_norm_eps)
         return x + mm("btf,fh->bth", act.reshape(b, t, -1), lp.w_down)
     h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
