@@ -56,8 +56,8 @@ class ExecConfig:
       and a draft layer's MLP input -- the norm's row scale, the gate/up matmul and
       silu(gate) * up, three kernels -- as one Pallas kernel (`pallas_kernels.draft_mlp`;
       dense models with folded norm weights, one device; only in layers whose gate/up
-      weights are small enough that three kernels cost more than their bytes:
-      `draft_mlp.SMALL_BYTES`).
+      weights are small enough that three kernels cost more than their bytes, and at
+      enough rows: `draft_mlp.SMALL_BYTES`, `draft_mlp.MIN_ROWS`).
     select: the selection's top-k: "capture", one kernel from the verify's captured logits
       for all layers (scores, carry, threshold and compaction: `capture_select`; where the
       method and model allow it -- the mean of softmax weights, one device, no sliding
