@@ -49,8 +49,10 @@ def test_methods_table_tiny_model(prompts_json, capsys):
               "vanilla_step_ms"):
         assert v[k] > 0, k
     assert "round_ms" not in rows["stream"]  # only the methods asked for are profiled
-    for r in rows.values():  # every call here runs the whole batch
-        assert r["full_batch_tok_s"] > 0 and len(r["tokens_by_call"]) == len(r["call_ms"])
+    for r in rows.values():  # a call is timed only where the host waited on the device
+        assert len(r["tokens_by_call"]) == len(r["call_ms"])
+        timed = any(m is not None and a == 2 for m, a in zip(r["call_ms"], r["active_by_call"]))
+        assert (r["full_batch_tok_s"] > 0) if timed else r["full_batch_tok_s"] is None
     # every token after each method's first call is in the trace
     assert sum(rows["vanilla"]["tokens_by_call"]) == 2 * 16 - 2 - 2 * 8
     assert 0 < sum(rows["vegas"]["tokens_by_call"]) <= 2 * 16 - 2

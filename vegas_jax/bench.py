@@ -487,15 +487,14 @@ def tail_line(row, batch: int) -> str:
     sequence active (and their tokens a second, `full_batch_tok_s`), and of those with at
     most a quarter active (the batch waiting for its slowest sequences; finished ones
     skip their attention)."""
-    def mean(sel):
+    def mean(sel, extra=""):
         ms = [m for m, a in zip(row["call_ms"], row["active_by_call"]) if m is not None and sel(a)]
-        return f"{sum(ms) / len(ms):.2f} ms ({len(ms)} calls" if ms else "-"
+        return f"{sum(ms) / len(ms):.2f} ms ({len(ms)} calls{extra})" if ms else "-"
     s = f" s{row['sparsity']:g}" if row.get("sparsity") is not None else ""
-    full, rate = mean(lambda a: a == batch), row.get("full_batch_tok_s")
-    full += "" if full == "-" else (f", {rate:.0f} tok/s)" if rate else ")")
-    quarter = mean(lambda a: a <= batch // 4)
-    quarter += "" if quarter == "-" else ")"
-    return f"tail {row['method']} g{row.get('gamma')}{s}: all {batch} active {full}, <= {batch // 4} active {quarter}"
+    rate = row.get("full_batch_tok_s")
+    full = mean(lambda a: a == batch, f", {rate:.0f} tok/s" if rate else "")
+    return (f"tail {row['method']} g{row.get('gamma')}{s}: all {batch} active {full}, "
+            f"<= {batch // 4} active {mean(lambda a: a <= batch // 4)}")
 
 
 def format_table(rows, gamma) -> str:
