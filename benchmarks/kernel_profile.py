@@ -126,8 +126,10 @@ def build_parser():
                    "`sparse_step` tile, each 'block_k,warps,stages,merge_tail,write_last' "
                    "(0/1), ';' between them")
     p.add_argument("--verify-blocks", default=None, metavar="SPECS",
-                   help="time the verify (with capture) and the decode step once per "
-                   "verify-kernel tile, each 'block_k,warps,stages', ';' between them")
+                   help="time the verify (with capture), the decode step and the round once per "
+                   "verify-kernel tile, each 'block_k,warps,stages[,cap_guard]' (cap_guard "
+                   "1: the capture store under a one-query-block branch, as before "
+                   "2026-12-06 e), ';' between them")
     return p
 
 
@@ -212,9 +214,9 @@ def main(argv=None) -> int:
                 block_k=bk, num_warps=w, num_stages=st, merge_tail=bool(merge),
                 write_last=bool(late)))
 
-        def verify_blocks(bk, w, st):
+        def verify_blocks(bk, w, st, guard=0):
             va.VERIFY_BLOCKS = dataclasses.replace(va.VERIFY_BLOCKS, block_k=bk, num_warps=w,
-                                                   num_stages=st)
+                                                   num_stages=st, cap_guard=bool(guard))
 
         def gmm_tile(bk, bn, w, st, loop):
             gm.GMM_TILE = dataclasses.replace(gm.GMM_TILE, block_k=bk, block_n=bn, num_warps=w,
@@ -224,7 +226,7 @@ def main(argv=None) -> int:
                    [("draft step", ph.draft, args.gamma)]),
                   (args.verify_blocks, "verify blocks", verify_blocks,
                    [("verify+capture", lambda: ph.verify(True), 1),
-                    ("decode step", ph.vanilla, 8)]),
+                    ("decode step", ph.vanilla, 8), ("round", ph.round, 1)]),
                   (args.gmm_tiles, "gmm tile", gmm_tile,
                    [("decode step", ph.vanilla, 8), ("draft step", ph.draft, args.gamma)]),
                   (args.whole_tiles, "whole tile", whole_tile,
