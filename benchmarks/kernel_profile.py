@@ -127,9 +127,7 @@ def build_parser():
                    "(0/1), ';' between them")
     p.add_argument("--verify-blocks", default=None, metavar="SPECS",
                    help="time the verify (with capture), the decode step and the round once per "
-                   "verify-kernel tile, each 'block_k,warps,stages[,cap_guard]' (cap_guard "
-                   "1: the capture store under a one-query-block branch, as before "
-                   "2026-12-06 e), ';' between them")
+                   "verify-kernel tile, each 'block_k,warps,stages', ';' between them")
     return p
 
 
@@ -214,9 +212,9 @@ def main(argv=None) -> int:
                 block_k=bk, num_warps=w, num_stages=st, merge_tail=bool(merge),
                 write_last=bool(late)))
 
-        def verify_blocks(bk, w, st, guard=0):
+        def verify_blocks(bk, w, st):
             va.VERIFY_BLOCKS = dataclasses.replace(va.VERIFY_BLOCKS, block_k=bk, num_warps=w,
-                                                   num_stages=st, cap_guard=bool(guard))
+                                                   num_stages=st)
 
         def gmm_tile(bk, bn, w, st, loop):
             gm.GMM_TILE = dataclasses.replace(gm.GMM_TILE, block_k=bk, block_n=bn, num_warps=w,

@@ -160,10 +160,6 @@ class VerifyBlocks:
     cap_dtype: Any = jnp.float16
     cap_from: str = "main"
     waves: bool = True  # more splits (up to 1.5x) where they fill the grid's last wave
-    # True: the capture store sits under `pl.when(query block == 0)` even where the grid
-    # has one query block (verify, decode), as before 2026-12-06 e: a branch inside the
-    # pipelined key loop. False: unconditional there (same stores). For A/B timing.
-    cap_guard: bool = False
 
     def __post_init__(self):
         if self.cap_from not in ("own", "main"):
@@ -174,7 +170,7 @@ VERIFY_BLOCKS = VerifyBlocks()  # read at call time (benchmarks.kernel_profile s
 
 
 def _verify_kernel(layer_ref, *refs, block_k, split_len, s_len, scale, rows, kh, normalize,
-                   cap, windowed=False, stacked=False, guard=True):
+                   cap, windowed=False, stacked=False):
     """Flash-decoding over one key split.
 
     windowed (static): a [1] window input follows layer_ref; each row then sees keys
@@ -195,9 +191,7 @@ def _verify_kernel(layer_ref, *refs, block_k, split_len, s_len, scale, rows, kh,
     store covers only them instead of the whole accumulator tile.
     stacked (static; "logits" / "main"): the buffer holds every layer's rows, this
     layer's from row layer * b * kh * n_cap on (`capture_buffer`), and comes in as an
-    input aliased to the output (its ref, before o_ref, is not used).
-    guard (static): the capture runs under `pl.when(qb == 0)`; False where the grid has
-    one query block, so that qb is 0 anyway."""
+    input aliased to the output (its ref, before o_ref, is not used)."""
     # layer_ref [1]; (win_ref [1]); q_ref [rows, d]; rowpos_ref [rows] (-1 = padding row);
     # k_ref, v_ref [L, b, k, s, d]; with cap: qc_ref [crow, d], rpc_ref [crow];
     # o_ref [rows, d], m_ref, l_ref [rows]; cap_ref [b * k * n_cap + crow, s_pad] ("logits")
@@ -279,12 +273,11 @@ def _verify_kernel(layer_ref, *refs, block_k, split_len, s_len, scale, rows, kh,
         inb = kidx < s_len  # the last block may run past the cache
         k = pltr.load(k_ref.at[layer, bi, h, pl.ds(k0, block_k), :], mask=inb[:, None],
                       other=0.0)  # [block_k, d]
-        once = (lambda f: pl.when(qb == 0)(f)) if guard else (lambda f: f())
         if cap is not None and cap[0] != "main":  # the capture rows: query block 0 only
-            once(lambda: capture(k, k0, kidx))
+            pl.when(qb == 0)(lambda: capture(k, k0, kidx))
         qk = dot(q, k, trans_b=True) * scale  # [rows, block_k] fp32, log2 units
         if cap is not None and cap[0] == "main":
-            once(lambda: capture_main(qk, k0))
+            pl.when(qb == 0)(lambda: capture_main(qk, k0))
         vis = kidx[None, :] <= rp[:, None]
         if windowed:
             vis &= kidx[None, :] > lo[:, None]
@@ -328,8 +321,7 @@ def _verify_call(layer, qr, rowpos, k_cache, v_cache, *, rows, n_splits, split_l
     kernel = functools.partial(
         _verify_kernel, block_k=block_k, split_len=split_len, s_len=s_len,
         scale=d**-0.5 * _LOG2E, rows=rows, kh=kh, normalize=normalize, cap=cap,
-        windowed=window is not None, stacked=cap_into is not None,
-        guard=nqb > 1 or blocks.cap_guard)
+        windowed=window is not None, stacked=cap_into is not None)
     out_shape = [  # o [b, kh, J, R, d], m, l [b, kh, J, R]
         jax.ShapeDtypeStruct((b, kh, n_splits, rtot, d), out_dtype if normalize else jnp.float32),
         jax.ShapeDtypeStruct((b, kh, n_splits, rtot), jnp.float32),

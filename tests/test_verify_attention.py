@@ -91,22 +91,6 @@ def test_capture_from_the_main_product(case):
     _check(out, ref, dtype)
 
 
-@pytest.mark.parametrize("cap_from", ["main", "own"])
-def test_capture_guard_changes_nothing(cap_from):
-    """With one query block the capture store runs without its `qb == 0` branch
-    (`VerifyBlocks.cap_guard` False, the default); the guarded kernel gives the same
-    output and scores bit for bit."""
-    L, b, kh, g, d, s, gamma, dtype, base, capture, rows, score = CASES[1]
-    q, kc, vc, q_pos = _inputs(len(base) + s, L, b, kh, g, d, s, gamma + 1, dtype, base)
-    kw = dict(capture="mean", capture_rows=(0, gamma), score="weight", interpret=True)
-    res = [compiled.call(verify_attention, q, kc, vc, jnp.int32(L - 1), q_pos,
-                         blocks=VerifyBlocks(block_k=16, min_split=32, target_programs=4 * b * kh,
-                                             cap_from=cap_from, cap_guard=guard), **kw)
-           for guard in (False, True)]
-    for x, y in zip(res[0], res[1]):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-
-
 # gpt-oss: a sliding window (narrower than the cache, so whole key blocks and splits fall
 # before it) and sinks, with every capture reduction and both scores; decode, verify and
 # a prefill of many query blocks.
