@@ -367,6 +367,42 @@ def test_auto_rounds_after_a_larger_gamma_see_their_own_positions(tiny, prompts,
     assert res.stats["acceptance_conditional"] == [1.0] * 6
 
 
+def test_auto_cost_line_follows_the_active_count():
+    """The batch's tail: gamma 4 / 6 / 8 timed with the whole batch (64 sequences), then
+    gamma 8 alone with 10 left. Each configuration's median then says gamma 8 (10.5 ms,
+    mostly tail calls) is cheaper than gamma 6 (12.3 ms, whole-batch calls); the line in
+    the active count gives each gamma's time with 10 sequences, and gamma 6 wins there
+    where gamma 8 wins with the whole batch."""
+    from vegas_jax.selection import Auto
+    from vegas_jax.speculative import AutoController
+
+    cost = lambda g, n: 0.0025 + 0.0009 * g + 0.00006 * n  # noqa: E731  (s)
+    ctl = AutoController(SpecConfig(method=Auto(gammas=(4, 6, 8)), gamma=6))
+    ctl.queue = []
+    for g in (4, 6, 8):
+        ctl.times[g] = [cost(g, 64)] * 3
+        ctl.times_n[g] = [64] * 3
+    # acceptance 0.9 a position: tau(6) = 5.22, tau(8) = 6.13 (+17 %)
+    ctl.trials[1:9] += 100
+    ctl.hits[1:9] += 90
+    ctl.n_active = 64
+    assert ctl.round_time(6) == pytest.approx(cost(6, 64))  # no spread: the old line
+    assert max(ctl.rates(), key=ctl.rates().get) == 8  # 6.13 / 13.5 ms vs 5.22 / 11.7
+    ctl.times[8] += [cost(8, 10)] * 5
+    ctl.times_n[8] += [10] * 5
+    ctl.n_active = 10
+    assert ctl.call_time(8) < ctl.call_time(6)  # the medians mislead
+    assert ctl._active_line() == pytest.approx((0.0025, 0.0009, 0.00006), rel=1e-6)
+    assert ctl.round_time(6) == pytest.approx(cost(6, 10))
+    assert ctl.round_time(8) == pytest.approx(cost(8, 10))
+    assert max(ctl.rates(), key=ctl.rates().get) == 6  # 5.22 / 8.5 ms vs 6.13 / 10.3
+    assert ctl.stats()["active_line_ms"] == pytest.approx([2.5, 0.9, 0.06], rel=1e-6)
+    # counts not known (calls timed before this version, or plain steps): the old line
+    for g in (4, 6, 8):
+        ctl.times_n[g] = [None] * len(ctl.times[g])
+    assert ctl._active_line() is None
+
+
 def test_auto_cost_model():
     """tau from conditional acceptance, time from a line through the measured rounds, and
     the choice of the configuration with the most tokens per second."""

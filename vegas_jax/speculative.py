@@ -257,7 +257,13 @@ class AutoController:
     rounds, VANILLA_STEPS / t for plain steps); while no prompt waits for a slot, tau is
     the batch's finish as its slowest sequence sees it (`finish_tau`: tokens left over
     each sequence's own tau), since a batch of fixed-length outputs ends with its last
-    sequence, not its mean one. It starts with rounds of the configured
+    sequence, not its mean one. The round times are those at the number of sequences the
+    next call decodes: where the calls timed so far ran at different counts (a batch of
+    fixed-length outputs thins out at its end), the line takes a term in that count,
+    t = a + b * gamma + c * active, fitted to the calls themselves (`_timing`): a draft
+    step costs about the same with few sequences left (launch-bound kernels) while the
+    verify shrinks, so in the batch's tail the drafts are a larger share of a round. It
+    starts with rounds of the configured
     gamma, then of a second candidate (two gammas give the line's slope). Plain steps are
     run only where they could win: the line's intercept a (the part of a round that does
     not grow with gamma: the verify's full-attention pass, which reads what a plain step
@@ -305,6 +311,12 @@ class AutoController:
     # at 0.3 a B 64 run probed (3 calls of 8 plain steps, ~7 % of its time) where the
     # bound (3.5 ms) was a plain step's own time (3.6) and 30 % below the rounds' rate
     PLAIN_MARGIN = 0.15
+    # the active counts of the timed calls spread by at least this fraction of the largest
+    # before the line takes a term in them (`_timing`): at B 64 on the H100 each
+    # configuration's median mixed the whole batch's calls with the tail's, and gamma 8's
+    # came out below gamma 6's (10.7 against 12.0 ms; 13.6 against 12.2 on the calls that
+    # ran the whole batch): auto kept gamma 8 through the tail (BENCHMARKS.md 2026-12-06 e)
+    ACTIVE_SPREAD = 0.25
 
     def __init__(self, spec: SpecConfig):
         g0 = spec.gamma
@@ -320,6 +332,10 @@ class AutoController:
         self.plain_probed = False
         self.times: dict[int, list[float]] = collections.defaultdict(list)
         self.loose: dict[int, list[float]] = collections.defaultdict(list)
+        # the active sequences of each call in `times` / `loose` (None: not known)
+        self.times_n: dict[int, list] = collections.defaultdict(list)
+        self.loose_n: dict[int, list] = collections.defaultdict(list)
+        self.n_active = None  # sequences the next call decodes (from the latest read)
         self.last_waited = True
         top = max(self.gammas)
         self.trials = np.zeros(top + 1)
@@ -418,6 +434,8 @@ class AutoController:
             # timed 20.9 ms against 38.9 on the H200 made auto choose plain decoding).
             fair = waited and self.last_waited
             (self.times if fair else self.loose)[config].append(now - self.last_read)
+            (self.times_n if fair else self.loose_n)[config].append(
+                None if active is None else int(np.sum(active)))
             if len(self.trace) < self.TRACE:
                 self.trace.append((config, now - self.last_read, fair, wait_s, dispatch))
         elif len(self.trace) < self.TRACE:
@@ -425,6 +443,11 @@ class AutoController:
         self.last_waited = waited
         self.skip_next = False
         self.last_read = now
+        if active is not None:  # the sequences the next call decodes
+            nxt = np.asarray(active, bool)
+            if self.remaining is not None and len(self.remaining) == len(nxt):
+                nxt = nxt & (self.remaining > 0)
+            self.n_active = int(nxt.sum())
         stale, self.prev = self.prev == 0, config
         if config and n_acc is not None:
             self._live(active)
@@ -503,26 +526,57 @@ class AutoController:
         r = rem[left].astype(float)
         return float(r.max() / (r / tau_s).max())
 
+    def _samples(self, c):
+        """The last 8 timed calls of configuration c and their active counts: those the
+        host waited for at both ends, or while there are none, all."""
+        t, n = (self.times, self.times_n) if self.times.get(c) else (self.loose, self.loose_n)
+        ts = t.get(c) or []
+        ns = list(n.get(c) or [])
+        ns = [None] * (len(ts) - len(ns)) + ns[-len(ts):] if ts else []
+        return ts[-8:], ns[-8:]
+
+    def _active_line(self):
+        """(a, b, c) of t = a + b * gamma + c * active, least squares over the rounds'
+        last timed calls, where their active counts spread by ACTIVE_SPREAD and two gammas
+        were timed; None otherwise, or where the fit is not a cost (b <= 0, c < 0)."""
+        rows = [(g, n, t) for g in self.gammas for t, n in zip(*self._samples(g))
+                if n is not None]
+        if len({g for g, _, _ in rows}) < 2:
+            return None
+        g, n, t = np.array(rows, dtype=float).T
+        if n.max() - n.min() < self.ACTIVE_SPREAD * n.max():
+            return None
+        (a, b, c), *_ = np.linalg.lstsq(np.stack([np.ones_like(g), g, n], 1), t, rcond=None)
+        if not (b > 0 and c >= 0):
+            return None
+        return float(a), float(b), float(c)
+
     def _timing(self):
-        """(call time of each timed configuration, the line (a, b) through the rounds' or
-        None), recomputed only when a sample changed: `choose` asks for them several times
-        a call, and refitting each time (np.polyfit) took 1.2-1.6 ms of host time a call
-        on the H200."""
-        key = tuple((c, tuple(v[-8:])) for d in (self.times, self.loose)
-                    for c, v in sorted(d.items()))
+        """(call time of each timed configuration, the line (a, b) through the rounds' at
+        the active count of the latest call, or None), recomputed only when a sample
+        changed: `choose` asks for them several times a call, and refitting each time
+        (np.polyfit) took 1.2-1.6 ms of host time a call on the H200. The line is
+        `_active_line`'s at that count where it has one, else one through each
+        configuration's median."""
+        key = (self.n_active,) + tuple((c, tuple(v[-8:])) for d in (self.times, self.loose)
+                                       for c, v in sorted(d.items()))
         if self._cache is None or self._cache[0] != key:
             med = {}
             for c in (0, *self.gammas):
-                t = self.times.get(c) or self.loose.get(c)
+                t, _ = self._samples(c)
                 if t:
-                    med[c] = float(np.median(t[-8:]))
+                    med[c] = float(np.median(t))
             pts = [(g, t) for g, t in med.items() if g]
             fit = None
-            if len(pts) > 1:  # least squares, closed form
+            line = self._active_line() if self.n_active is not None else None
+            if line is not None:
+                a, b, c = line
+                fit = (a + c * self.n_active, b)
+            elif len(pts) > 1:  # least squares, closed form
                 g, t = np.array(pts, dtype=float).T
                 b = float(((g - g.mean()) * (t - t.mean())).sum() / ((g - g.mean()) ** 2).sum())
                 fit = (float(t.mean()) - b * float(g.mean()), b)
-            self._cache = (key, med, fit)
+            self._cache = (key, med, fit, line)
         return self._cache[1], self._cache[2]
 
     def call_time(self, config: int) -> float | None:
@@ -593,6 +647,10 @@ class AutoController:
             "dispatch_ms": {name(c): 1e3 * float(np.median(t))
                             for c, t in sorted(self.dispatch_s.items())},
             "compile_s": self.compile_s,
+            # the line t = a + b gamma + c active (ms) in use at the end, if the calls' active
+            # counts spread (`_active_line`)
+            "active_line_ms": (None if (ln := self._active_line()) is None
+                               else [1e3 * ln[0], 1e3 * ln[1], 1e3 * ln[2]]),
             # the first calls: configuration, interval ms (None: not timed), fair, the
             # host's wait for its output and its dispatch (ms)
             "trace": [[name(c), ms(t), f, ms(w), ms(d)] for c, t, f, w, d in self.trace],
