@@ -553,7 +553,7 @@ class AutoController:
 
     def _timing(self):
         """(call time of each timed configuration, the line (a, b) through the rounds' at
-        the active count of the latest call, or None), recomputed only when a sample
+        the number of sequences the next call decodes, or None), recomputed only when a sample
         changed: `choose` asks for them several times a call, and refitting each time
         (np.polyfit) took 1.2-1.6 ms of host time a call on the H200. The line is
         `_active_line`'s at that count where it has one, else one through each
@@ -576,7 +576,7 @@ class AutoController:
                 g, t = np.array(pts, dtype=float).T
                 b = float(((g - g.mean()) * (t - t.mean())).sum() / ((g - g.mean()) ** 2).sum())
                 fit = (float(t.mean()) - b * float(g.mean()), b)
-            self._cache = (key, med, fit, line)
+            self._cache = (key, med, fit)
         return self._cache[1], self._cache[2]
 
     def call_time(self, config: int) -> float | None:
