@@ -427,6 +427,8 @@ class AutoController:
         stalled = bool(self.in_flight) and self.in_flight[0][1] > self.STALL_S
         waited = (wait_s is None or wait_s >= self.WAITED_S) and not stalled
         self.remaining = None if remaining is None else np.asarray(remaining)
+        active = None if active is None else np.asarray(active, bool)
+        n_ran = None if active is None else int(active.sum())  # sequences this call ran
         if self.last_read is not None and not self.skip_next:  # the first read has no start
             # An interval is the call's device time only when the host waited at both of
             # its ends; after a read that found its output ready, the next call may have
@@ -434,8 +436,7 @@ class AutoController:
             # timed 20.9 ms against 38.9 on the H200 made auto choose plain decoding).
             fair = waited and self.last_waited
             (self.times if fair else self.loose)[config].append(now - self.last_read)
-            (self.times_n if fair else self.loose_n)[config].append(
-                None if active is None else int(np.sum(active)))
+            (self.times_n if fair else self.loose_n)[config].append(n_ran)
             if len(self.trace) < self.TRACE:
                 self.trace.append((config, now - self.last_read, fair, wait_s, dispatch))
         elif len(self.trace) < self.TRACE:
@@ -444,10 +445,9 @@ class AutoController:
         self.skip_next = False
         self.last_read = now
         if active is not None:  # the sequences the next call decodes
-            nxt = np.asarray(active, bool)
-            if self.remaining is not None and len(self.remaining) == len(nxt):
-                nxt = nxt & (self.remaining > 0)
-            self.n_active = int(nxt.sum())
+            self.n_active = n_ran
+            if self.remaining is not None and len(self.remaining) == len(active):
+                self.n_active = int((active & (self.remaining > 0)).sum())
         stale, self.prev = self.prev == 0, config
         if config and n_acc is not None:
             self._live(active)
@@ -530,10 +530,10 @@ class AutoController:
         """The last 8 timed calls of configuration c and their active counts: those the
         host waited for at both ends, or while there are none, all."""
         t, n = (self.times, self.times_n) if self.times.get(c) else (self.loose, self.loose_n)
-        ts = t.get(c) or []
-        ns = list(n.get(c) or [])
-        ns = [None] * (len(ts) - len(ns)) + ns[-len(ts):] if ts else []
-        return ts[-8:], ns[-8:]
+        ts = (t.get(c) or [])[-8:]
+        ns = (n.get(c) or [])[-8:]
+        # times set without counts (tests) count as unknown
+        return ts, [None] * (len(ts) - len(ns)) + ns[max(0, len(ns) - len(ts)):]
 
     def _active_line(self):
         """(a, b, c) of t = a + b * gamma + c * active, least squares over the rounds'
