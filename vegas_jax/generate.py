@@ -15,10 +15,9 @@ from vegas_jax.cache import KVCache
 from vegas_jax.config import ModelConfig
 from vegas_jax.execution import ExecConfig, model_jit
 from vegas_jax.model import forward
-from vegas_jax.runtime import (
-    DecodeClock, GenerationResult, Progress, Refill, decode_text, drive, launch, prefill_group,
-    prefill_prompts, rows_of,
-)
+from vegas_jax.driver import DecodeClock, GenerationResult, Progress, Refill, drive, launch
+from vegas_jax.prefill import prefill_group, prefill_prompts
+from vegas_jax.prompts import decode_text, rows_of
 from vegas_jax.sampling import SamplingParams, sample
 
 
@@ -68,22 +67,22 @@ def generate(
     sampling: SamplingParams = SamplingParams(),
     seed: int = 0,
     on_tokens: Callable[[list[list[int]]], None] | None = None,
-    attn_impl: str | None = None,
-    steps_per_call: int = 8,
     max_batch: int | None = None,
+    exec_config: ExecConfig | None = None,
+    steps_per_call: int = 8,
 ) -> GenerationResult:
     """Vanilla decoding of prompts of different lengths.
 
     `on_tokens` receives, after each device call, the new tokens of every prompt.
     `max_batch`: at most this many sequences at once; each finished one's slot is refilled
     with the next prompt (results stay in prompt order). `max_new_tokens`: one limit, or
-    one per prompt.
+    one per prompt. `exec_config`: how to run (default: the model's).
     """
     if steps_per_call < 1:
         raise ValueError("steps_per_call must be >= 1")
     cfg = model.config
     ids, cache, xc, limits, key, k0, eos, collector = launch(
-        model, prompts, max_new_tokens, sampling, steps_per_call, attn_impl, max_batch, seed,
+        model, prompts, max_new_tokens, sampling, steps_per_call, exec_config, max_batch, seed,
         on_tokens)
     slots = cache.batch
 
@@ -116,6 +115,6 @@ def generate(
         "prompt_tokens": [len(p) for p in ids],
         "prefill_s": prefill_s,
         **clock.stats(),
-        "attn_impl": xc.attn,
+        "backend": xc.backend,
     }
     return GenerationResult(collector.tokens, decode_text(model, collector.tokens), stats)

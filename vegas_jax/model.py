@@ -20,7 +20,6 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import struct
 from jax import lax
 
 from pallas_kernels import draft_mlp, grouped_matmul
@@ -31,79 +30,11 @@ from vegas_jax.attention import (
 from vegas_jax.cache import KVCache, write_kv
 from vegas_jax.config import ModelConfig, rope_inv_freq
 from vegas_jax.execution import ExecConfig
+from vegas_jax.params import LayerParams, Params
 
-
-@struct.dataclass
-class LayerParams:
-    """Stacked, every field has a leading layer axis L (shapes below); unstacked, one
-    LayerParams per layer without it.
-
-    Q/K/V and gate/up projections are stored side by side (`FUSED`): one matmul each,
-    fewer launches, and no narrow K/V matmul, which XLA on the GPU lowered as an
-    elementwise multiply of the whole weight plus a reduction at ~10x its read time
-    (BENCHMARKS.md, "Weight reads").
-    """
-
-    attn_norm: jax.Array | None  # [L, h]; None once folded into w_qkv (`fold_norms`)
-    w_qkv: jax.Array  # [L, h, (n + 2k)*d]: columns q | k | v
-    wo: jax.Array  # [L, n*d, h]
-    mlp_norm: jax.Array | None  # [L, h]; None once folded into the MLP's first matmuls
-    w_gate_up: jax.Array | None = None  # [L, h, 2f]: columns gate | up; dense models only
-    w_down: jax.Array | None = None  # [L, f, h]; dense models only
-    q_norm: jax.Array | None = None  # [L, d], Qwen3 only
-    k_norm: jax.Array | None = None  # [L, d], Qwen3 only
-    # Mixture-of-experts models only (`ModelConfig.num_experts`), in place of w_gate_up
-    # and w_down; f is an expert's width.
-    w_router: jax.Array | None = None  # [L, h, e]
-    w_expert_gate_up: jax.Array | None = None  # [L, e, h, 2f]: columns gate | up
-    w_expert_down: jax.Array | None = None  # [L, e, f, h]
-    # gpt-oss only: attention biases (`ModelConfig.attn_bias`), sinks (`attn_sinks`), and
-    # the router's and experts' biases (moe_style "gpt-oss")
-    b_qkv: jax.Array | None = None  # [L, (n + 2k)*d]: q | k | v
-    bo: jax.Array | None = None  # [L, h]
-    sinks: jax.Array | None = None  # [L, n]: one logit per query head
-    b_router: jax.Array | None = None  # [L, e]
-    b_expert_gate_up: jax.Array | None = None  # [L, e, 2f]: gate | up
-    b_expert_down: jax.Array | None = None  # [L, e, h]
-    # Draft-only weights (`ExecConfig.draft` "merged", made at load by `merge_draft`; never
-    # saved): a draft layer's four matmuls as three. The attention's input projection and
-    # the MLP's gate/up both read the layer input (their norms' row scales are applied
-    # after the product), and the MLP input is x + o @ wo, so
-    # gate/up = r2 (x @ w_gate_up + o @ (wo @ w_gate_up)).
-    w_draft_in: jax.Array | None = None  # [L, h, (n + 2k)*d + 2f]: w_qkv | w_gate_up
-    w_draft_o: jax.Array | None = None  # [L, n*d, h + 2f]: wo | wo @ w_gate_up
-
-DRAFT_ONLY = ("w_draft_in", "w_draft_o")
-
-
-# Fused field -> the checkpoint projections it holds, in column order (last axis).
-FUSED = {"w_qkv": ("wq", "wk", "wv"), "w_gate_up": ("w_gate", "w_up"),
-         "w_expert_gate_up": ("w_expert_gate", "w_expert_up"),
-         "b_qkv": ("bq", "bk", "bv"), "b_expert_gate_up": ("b_expert_gate", "b_expert_up")}
-
-
-def fused_widths(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Column widths of the parts of each fused field `cfg`'s layers have, `FUSED` order."""
-    n, k, d, f = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
-    out = {"w_qkv": (n * d, k * d, k * d)}
-    if cfg.is_moe:
-        fe = cfg.moe_intermediate_size
-        out["w_expert_gate_up"] = (fe, fe)
-        if cfg.moe_style == "gpt-oss":
-            out["b_expert_gate_up"] = (fe, fe)
-    else:
-        out["w_gate_up"] = (f, f)
-    if cfg.attn_bias:
-        out["b_qkv"] = (n * d, k * d, k * d)
-    return out
-
-
-@struct.dataclass
-class Params:
-    embed: jax.Array  # [v, h]
-    layers: LayerParams | tuple[LayerParams, ...]  # stacked [L, ...] or one per layer
-    final_norm: jax.Array  # [h]
-    lm_head: jax.Array | None = None  # [h, v]; None when tied to `embed`
+# A fused draft carries its rows padded to a multiple of this: cuBLAS pads half-precision
+# matmul operands to multiples of 8, with a pad kernel before every matmul otherwise.
+ROW_PAD = 8
 
 
 def mm(spec, a, b):
@@ -152,19 +83,11 @@ def _layer(cfg: ModelConfig, xc: ExecConfig, write: bool, plan: AttnPlan, cos, s
     x, k_cache, v_cache, *cap_buf = carry  # x [b, t, h]
     b, t, _ = x.shape
     fused = write and fused_draft(plan, xc, cfg)
-    # a fused draft with the norm's weight folded into w_qkv: the norm's row scale
-    # commutes with the projection, so the draft kernel applies it (one launch fewer a
-    # layer); drafts only, the verify and plain decoding keep the model's exact order
+    # a fused draft with the norm's weight folded into w_qkv applies the norm's row scale in
+    # its kernel (it commutes with the projection); the verify keeps the model's exact order
     scaled_in_kernel = fused and lp.attn_norm is None
-    merged = scaled_in_kernel and lp.w_draft_in is not None
     h = x if scaled_in_kernel else rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
-    if merged:  # [b, t, (n + 2k)*d + 2f]: the projection and the MLP's x @ w_gate_up
-        # the draft kernel takes the whole product and reads its q/k/v columns only
-        # (a slice would be copied out for it: one launch a layer)
-        qkv = mm("bth,hn->btn", x, lp.w_draft_in)
-        gate_up_x = qkv[..., lp.w_qkv.shape[-1]:]
-    else:
-        qkv = mm("bth,hn->btn", h, lp.w_qkv)  # [b, t, (n + 2k)*d]
+    qkv = mm("bth,hn->btn", h, lp.w_qkv)  # [b, t, (n + 2k)*d]
     if lp.b_qkv is not None:
         qkv = qkv + lp.b_qkv
     if fused:  # the attention block in one kernel
@@ -174,8 +97,6 @@ def _layer(cfg: ModelConfig, xc: ExecConfig, write: bool, plan: AttnPlan, cos, s
         o, k_cache, v_cache = sparse_block(plan, xc, cfg, qkv, qn, kn, rope, k_cache,
                                            v_cache, li, positions,
                                            x.reshape(b, -1) if scaled_in_kernel else None)
-        if merged:
-            return _merged_mlp(cfg, x, o, gate_up_x, lp), k_cache, v_cache, None
         return _mlp(cfg, xc, x, o, lp, draft=True), k_cache, v_cache, None
     # columns per shard: [q_i | k_i | v_i] for each of the tp shards (`sharding`)
     per = qkv.reshape(b, t, xc.tp, -1)  # [b, t, tp, (n + 2k)*d / tp]
@@ -204,12 +125,10 @@ def _layer(cfg: ModelConfig, xc: ExecConfig, write: bool, plan: AttnPlan, cos, s
 
 
 def draft_mlp_kernel(xc: ExecConfig, lp: LayerParams, rows: int) -> bool:
-    """Whether a fused draft layer's MLP input runs as `draft_mlp.norm_gate_up` (one
-    kernel for the norm's row scale, gate/up and the activation): `ExecConfig.draft`
-    "fused-mlp", a dense MLP whose norm weight is folded into w_gate_up, one device,
-    widths the kernel tiles, gate/up weights of at most `draft_mlp.SMALL_BYTES` and at
-    least `draft_mlp.MIN_ROWS` rows (where it was measured faster than XLA's kernels)."""
-    return (xc.draft == "fused-mlp" and xc.tp == 1 and lp.w_gate_up is not None
+    """Whether a fused draft layer's MLP input runs as `draft_mlp.norm_gate_up` (norm row
+    scale, gate/up and activation in one kernel): a dense MLP whose norm weight is folded,
+    one device, widths the kernel tiles, small weights and many rows (where it pays)."""
+    return (xc.draft_mlp and lp.w_gate_up is not None
             and rows >= draft_mlp.MIN_ROWS
             and lp.mlp_norm is None
             and (lp.w_gate_up.shape[-2] * lp.w_gate_up.shape[-1]
@@ -225,57 +144,18 @@ def _mlp(cfg: ModelConfig, xc: ExecConfig, x, o, lp: LayerParams, draft: bool = 
     attn = mm("btn,nh->bth", o.reshape(b, t, -1).astype(x.dtype), lp.wo)
     x = x + (attn if lp.bo is None else attn + lp.bo)
     if draft and draft_mlp_kernel(xc, lp, b * t):
-        act = draft_mlp.norm_gate_up(x.reshape(b * t, -1), lp.w_gate_up, eps=cfg.rms_norm_eps)
+        act = draft_mlp.norm_gate_up(x.reshape(b * t, -1), lp.w_gate_up, eps=cfg.rms_norm_eps,
+                                     interpret=xc.interpret)
         return x + mm("btf,fh->bth", act.reshape(b, t, -1), lp.w_down)
     h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
     if cfg.is_moe:
-        impl = "xla" if xc.moe == "auto" else xc.moe
-        return x + _moe(cfg, h, lp, functools.partial(grouped_matmul.ragged_dot, impl=impl))
+        return x + _moe(cfg, h, lp, functools.partial(grouped_matmul.ragged_dot, impl=xc.moe))
     gate_up = mm("bth,hf->btf", h, lp.w_gate_up)  # [b, t, 2f], per shard [gate_i | up_i]
     gate_up = gate_up.reshape(b, t, xc.tp, -1)
     f = cfg.intermediate_size // xc.tp
     gate = gate_up[..., :f].reshape(b, t, -1)  # [b, t, f]
     up = gate_up[..., f:].reshape(b, t, -1)
     return x + mm("btf,fh->bth", jax.nn.silu(gate) * up, lp.w_down)
-
-
-def _merged_mlp(cfg: ModelConfig, x, o, gate_up_x, lp: LayerParams):
-    """A merged draft layer after attention (`w_draft_o`): one matmul gives o @ wo and
-    o @ (wo @ w_gate_up); with gate_up_x = x @ w_gate_up from the layer's first matmul,
-    the MLP's input x2 = x + o @ wo and its RMS-normalised gate/up
-    r2 (gate_up_x + o @ wo @ w_gate_up), r2 = rsqrt(mean(x2**2) + eps) (the norm's weight
-    is folded into w_gate_up). Drafts only: rounded differently from `_mlp`."""
-    b, t, hd = x.shape
-    both = mm("btn,nh->bth", o.reshape(b, t, -1).astype(x.dtype), lp.w_draft_o)
-    x2 = x + both[..., :hd]  # [b, t, h]
-    xf = x2.astype(jnp.float32)
-    r2 = lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + cfg.rms_norm_eps)
-    gate_up = ((gate_up_x.astype(jnp.float32) + both[..., hd:].astype(jnp.float32))
-               * r2).astype(x.dtype)  # [b, t, 2f]
-    f = cfg.intermediate_size
-    return x2 + mm("btf,fh->bth", jax.nn.silu(gate_up[..., :f]) * gate_up[..., f:], lp.w_down)
-
-
-def merge_draft(params: Params) -> Params:
-    """Params with the draft-only merged weights (`LayerParams.w_draft_in` / `w_draft_o`)
-    of every layer, for `ExecConfig.draft` "merged": dense models whose norm weights are
-    folded (`fold_norms`), without projection biases. wo @ w_gate_up is multiplied in
-    fp32 and rounded once. Memory: a layer's q/k/v, gate/up and o weights again, plus the
-    [n*d, 2f] product (SmolLM2-135M: +265 MB)."""
-    @jax.jit
-    def one(lp: LayerParams) -> LayerParams:
-        prod = jnp.einsum("...nh,...hf->...nf", lp.wo.astype(jnp.float32),
-                          lp.w_gate_up.astype(jnp.float32),
-                          precision=lax.Precision.HIGHEST).astype(lp.wo.dtype)
-        return lp.replace(w_draft_in=jnp.concatenate([lp.w_qkv, lp.w_gate_up], axis=-1),
-                          w_draft_o=jnp.concatenate([lp.wo, prod], axis=-1))
-
-    first = params_layer(params)
-    if first.w_gate_up is None or first.attn_norm is not None or first.mlp_norm is not None \
-            or first.b_qkv is not None or first.bo is not None:
-        raise ValueError("draft='merged' needs a dense MLP, folded norm weights and no "
-                         "projection biases (Llama / Qwen3 dense models)")
-    return map_layers(params, one)
 
 
 def moe_route(cfg: ModelConfig, x, lp: LayerParams):
@@ -374,9 +254,8 @@ def forward(
     """
     b = tokens.shape[0]
     fused = write and fused_draft(plan, xc, cfg)
-    pad = -b % xc.row_pad if fused and b > 1 and not cfg.is_moe else 0
-    # a fused draft's padding rows (token 0; the draft kernel outputs zeros for them):
-    # matmul inputs of a multiple of 8 rows, which cuBLAS would otherwise pad layer by layer
+    pad = -b % ROW_PAD if fused and b > 1 and not cfg.is_moe else 0
+    # a fused draft's padding rows (token 0) come out of the draft kernel as zeros
     x = params.embed[jnp.pad(tokens, ((0, pad), (0, 0)))]  # [b + pad, t, h]
     cos, sin = rope_tables(cfg, positions)
     # the fused draft kernel's RoPE table, made once per forward: made inside the layer,
@@ -396,9 +275,8 @@ def forward(
     cap_buf = capture_start(plan, cfg, b, cache.max_len)  # a raw capture's buffer, or None
     carry = (x, cache.k, cache.v) + (() if cap_buf is None else (cap_buf,))
     if isinstance(params.layers, tuple):
-        # Per-layer weight buffers: nothing is sliced per layer (in a loop, XLA reads each
-        # layer's weight slices at offsets the host computes, so the host walks every
-        # layer of every call; BENCHMARKS.md, "Host dispatch").
+        # Per-layer weight buffers: nothing is sliced per layer (in a loop the host computes
+        # each layer's weight offsets on every call).
         per_layer = []
         for li, lp in enumerate(params.layers):
             carry, sc = step(carry, lp, li)
@@ -453,196 +331,3 @@ def _layer_loop(step, carry, layers: LayerParams, cfg: ModelConfig, scores_shape
 
     _, carry, scores = lax.while_loop(lambda st: st[0] < n, body, (jnp.int32(0), carry, scores))
     return carry, scores
-
-
-def fold_norms(params: Params, donate: bool = False) -> Params:
-    """Params whose attention and MLP RMS-norm weights are folded into the projections
-    they feed: (x̂ * w) @ W = x̂ @ (w[:, None] * W) for the normalised x̂. On the GPU a scan's
-    slice of a norm weight is not read in place by XLA's norm fusion but copied first (a
-    device memcpy per norm per layer); folded, there is nothing to slice. The product is
-    rounded once to the weights' dtype. donate: the projections' old buffers are freed
-    as each folded one is made (params nobody else holds: a fresh load)."""
-    @functools.partial(jax.jit, donate_argnums=1 if donate else ())
-    def fold(w, m):  # w [..., h], m [..., h, n] or [..., e, h, n] (every expert)
-        w = w.reshape(w.shape[:-1] + (1,) * (m.ndim - w.ndim - 1) + (w.shape[-1], 1))
-        return (w.astype(jnp.float32) * m.astype(jnp.float32)).astype(m.dtype)
-
-    def one(lp: LayerParams) -> LayerParams:
-        if lp.attn_norm is None:
-            return lp
-        norm = lp.mlp_norm
-        lp = lp.replace(attn_norm=None, w_qkv=fold(lp.attn_norm, lp.w_qkv), mlp_norm=None)
-        if lp.w_router is not None:  # the MLP norm feeds the router and every expert
-            return lp.replace(w_router=fold(norm, lp.w_router),
-                              w_expert_gate_up=fold(norm, lp.w_expert_gate_up))
-        return lp.replace(w_gate_up=fold(norm, lp.w_gate_up))
-
-    return map_layers(params, one)
-
-
-def stack_layers(params: Params) -> Params:
-    """Params with stacked layer weights ([L, ...] per field), whatever their layout."""
-    if not isinstance(params.layers, tuple):
-        return params
-    return params.replace(layers=jax.tree.map(lambda *a: jnp.stack(a), *params.layers))
-
-
-def unstack_layers(params: Params, donate: bool = False) -> Params:
-    """Params with one weight buffer per layer (a tuple of LayerParams). donate: each
-    stacked buffer is freed once its layers are cut (params nobody else holds), so the
-    weights are held twice only one field at a time (Qwen3-30B-A3B: 61 GB of weights +
-    its 36 GB expert gate/up field, not 122 GB)."""
-    if isinstance(params.layers, tuple):
-        return params
-    n = params.layers.wo.shape[0]
-    leaves, tree = jax.tree.flatten(params.layers)
-    cut = []
-    for a in leaves:
-        cut.append([a[i] for i in range(n)])
-        if donate:
-            jax.block_until_ready(cut[-1])
-            a.delete()
-    return params.replace(layers=tuple(
-        jax.tree.unflatten(tree, [c[i] for c in cut]) for i in range(n)))
-
-
-def layout_params(params: Params, xc: ExecConfig, donate: bool = False) -> Params:
-    """The layer layout `xc.layers` runs on, norm weights folded (`fold_norms`), with the
-    draft-only merged weights when `xc.draft` is "merged" (`merge_draft`)."""
-    params = fold_norms(params, donate)
-    if xc.draft == "merged" and params_layer(params).w_draft_in is None:
-        params = merge_draft(params)
-    return unstack_layers(params, donate) if xc.layers == "unrolled" else stack_layers(params)
-
-
-def params_layer(params: Params) -> LayerParams:
-    """The first layer's weights (stacked: every layer's)."""
-    return params.layers[0] if isinstance(params.layers, tuple) else params.layers
-
-
-def map_layers(params: Params, fn) -> Params:
-    """Params with `fn` applied to the layer weights: to each layer's buffers (unrolled
-    layout) or once to the stacked ones."""
-    layers = params.layers
-    return params.replace(layers=tuple(map(fn, layers)) if isinstance(layers, tuple)
-                          else fn(layers))
-
-
-def init_params(cfg: ModelConfig, key, dtype=jnp.bfloat16, scale: float = 0.02,
-                unrolled: bool = False) -> Params:
-    """Random weights of the full model shapes, made on the default device.
-
-    Norm weights are ones, like a fresh checkpoint; projections N(0, scale). unrolled:
-    one buffer per layer (the same values): no stacked field is ever made, so a large
-    model's load never holds a field twice (Qwen3-30B-A3B's 36 GB expert gate/up field
-    stacked and then cut peaked at 93.6 GiB for 57 GiB of weights, and the holes it left
-    kept a 24 GiB cache half from finding room on a 141 GB card).
-    """
-    L, h, f, d = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    n, kv = cfg.num_heads, cfg.num_kv_heads
-    # list(): split eagerly; iterating a typed key array lazily inside `make` (traced) fails.
-    keys = iter(list(jax.random.split(key, 10)))
-
-    def normal(shape):
-        return _random_normal(next(keys), shape, dtype, scale, per_layer=unrolled)
-
-    moe, e, fe = cfg.is_moe, cfg.num_experts, cfg.moe_intermediate_size
-    # gpt-oss's extra tensors draw from keys of their own: the other models' weights stay
-    # what they were
-    extra_keys = iter(list(jax.random.split(jax.random.fold_in(key, 1), 6)))
-    oss = cfg.moe_style == "gpt-oss"
-
-    def extra(shape, on):
-        if not on:
-            return None
-        return _random_normal(next(extra_keys), shape, dtype, scale, per_layer=unrolled)
-
-    def ones(shape):
-        if unrolled:
-            return [jnp.ones(shape[1:], dtype) for _ in range(shape[0])]
-        return jnp.ones(shape, dtype)
-
-    def make():
-        fields = dict(
-            attn_norm=ones((L, h)),
-            w_qkv=normal((L, h, (n + 2 * kv) * d)),
-            wo=normal((L, n * d, h)),
-            mlp_norm=ones((L, h)),
-            w_gate_up=None if moe else normal((L, h, 2 * f)),
-            w_down=None if moe else normal((L, f, h)),
-            q_norm=ones((L, d)) if cfg.qk_norm else None,
-            k_norm=ones((L, d)) if cfg.qk_norm else None,
-            w_router=normal((L, h, e)) if moe else None,
-            w_expert_gate_up=normal((L, e, h, 2 * fe)) if moe else None,
-            w_expert_down=normal((L, e, fe, h)) if moe else None,
-            b_qkv=extra((L, (n + 2 * kv) * d), cfg.attn_bias),
-            bo=extra((L, h), cfg.attn_bias),
-            sinks=extra((L, n), cfg.attn_sinks),
-            b_router=extra((L, e), oss),
-            b_expert_gate_up=extra((L, e, 2 * fe), oss),
-            b_expert_down=extra((L, e, h), oss),
-        )
-        if unrolled:
-            layers = tuple(LayerParams(**{f: None if v is None else v[i]
-                                          for f, v in fields.items()}) for i in range(L))
-        else:
-            layers = LayerParams(**fields)
-        return Params(
-            embed=_random_normal(next(keys), (cfg.vocab_size, h), dtype, scale),
-            layers=layers,
-            final_norm=jnp.ones((h,), dtype),
-            lm_head=None if cfg.tie_embeddings else _random_normal(
-                next(keys), (h, cfg.vocab_size), dtype, scale),
-        )
-
-    return make()
-
-
-# A field larger than this is drawn a layer at a time into its buffer: drawn whole, its
-# fp32 normals and random bits sit beside every other field (Qwen3-30B-A3B's 36 GB expert
-# gate/up field would need ~110 GB more than its own bytes).
-_DRAW_WHOLE_BYTES = 1 << 30
-
-
-def _random_normal(key, shape, dtype, scale: float, per_layer: bool = False):
-    """N(0, scale) weights of `shape`, made on the device, one jitted draw a field (the
-    same values as one draw inside a larger jit) or, over 1 GiB, a block of leading rows
-    (layers) at a time. per_layer: a list of the leading rows (layers) as buffers of
-    their own, the same values, no stacked buffer made over 1 GiB."""
-    dtype = jnp.dtype(dtype)
-    nbytes = int(np.prod(shape)) * dtype.itemsize
-    if nbytes <= _DRAW_WHOLE_BYTES:
-        whole = _draw(key, shape, dtype, scale)
-        return [whole[i] for i in range(shape[0])] if per_layer else whole
-    rows = max(1, shape[0] * _DRAW_WHOLE_BYTES // nbytes)  # leading rows a draw
-    if per_layer:
-        out = []
-        for i in range(0, shape[0], rows):
-            n = min(rows, shape[0] - i)
-            block = _draw(jax.random.fold_in(key, i), (n,) + tuple(shape[1:]), dtype, scale)
-            out += [block[j] for j in range(n)]
-        return out
-    buf = jnp.zeros(shape, dtype)
-    for i in range(0, shape[0], rows):
-        n = min(rows, shape[0] - i)
-        buf = _draw_rows(buf, jax.random.fold_in(key, i), i, (n,) + tuple(shape[1:]), scale)
-    return buf
-
-
-@functools.partial(jax.jit, static_argnums=(1, 2, 3))
-def _draw(key, shape, dtype, scale):
-    return (jax.random.normal(key, shape, jnp.float32) * scale).astype(dtype)
-
-
-@functools.partial(jax.jit, static_argnums=(3, 4), donate_argnums=0)
-def _draw_rows(buf, key, i, shape, scale):
-    return lax.dynamic_update_slice_in_dim(buf, _draw(key, shape, buf.dtype, scale), i, 0)
-
-
-def param_dtype(params: Params):
-    """The weights' dtype (the KV cache and activations use the same)."""
-    return params.embed.dtype
-
-
-def param_bytes(params: Params) -> int:
-    return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(params))

@@ -22,6 +22,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from vegas_jax.config import ModelConfig
+from vegas_jax.params import fused_widths, map_layers
 
 AXIS = "tp"
 
@@ -61,8 +62,6 @@ def shard_columns(widths: tuple[int, ...], tp: int) -> np.ndarray:
 
 def to_shard_layout(params, cfg: ModelConfig, tp: int):
     """Params with the fused projections' columns in the per-shard layout (tp = 1: as is)."""
-    from vegas_jax.model import fused_widths, map_layers
-
     if tp == 1:
         return params
     widths = fused_widths(cfg)
@@ -77,8 +76,6 @@ def to_shard_layout(params, cfg: ModelConfig, tp: int):
 def param_shardings(params, tp: int):
     """NamedSharding of every parameter leaf: columns of w_qkv / w_gate_up and rows of
     wo / w_down split across the mesh, everything else replicated."""
-    from vegas_jax.model import map_layers
-
     m = mesh(tp)
 
     def layer(lp):

@@ -128,7 +128,7 @@ def build_parser():
         "for tokens/s; sparsity refinement). Workload flags mirror vegas_jax.bench.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_workload_args(p)  # the bench's model, workload and sampling flags
-    p.add_argument("--method", default="vegas", choices=("vegas", "vegas-paper", "vegas-all", "last", "stream", "quest"),
+    p.add_argument("--method", default="vegas", choices=("vegas", "vegas-paper", "last", "stream", "quest"),
                    help="speculative method to tune")
     p.add_argument("--sparsities", default=DEFAULT_SPARSITIES,
                    help="comma-separated sparsity grid, each in (0, 1]; swept in ascending order")
@@ -174,7 +174,7 @@ def run(args, model=None) -> dict:
 
     def measure(spec):
         runs = [speculative_generate(model, prompts, args.new_tokens, spec, sampling,
-                                     seed=args.seed, attn_impl=args.attn_impl).stats
+                                     seed=args.seed).stats
                 for _ in range(args.repeats)]
         st = max(runs, key=lambda r: r["decode_tokens_per_s"])
         return {"tau": st["tau"], "tok_s": st["decode_tokens_per_s"],

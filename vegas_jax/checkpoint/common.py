@@ -10,7 +10,7 @@ import ml_dtypes
 import numpy as np
 
 from vegas_jax.config import REGISTRY, ModelConfig, RopeScaling
-from vegas_jax.model import DRAFT_ONLY, FUSED, LayerParams, Params, fused_widths
+from vegas_jax.params import FUSED, LayerParams, Params, fused_widths
 
 _DTYPES = {
     "bf16": "bfloat16", "bfloat16": "bfloat16",
@@ -236,7 +236,7 @@ def params_to_dict(params: Params) -> dict[str, Any]:
     out["layers"] = {
         f.name: getattr(lp, f.name)
         for f in dataclasses.fields(lp)
-        if getattr(lp, f.name) is not None and f.name not in DRAFT_ONLY  # made at load
+        if getattr(lp, f.name) is not None
     }
     return out
 

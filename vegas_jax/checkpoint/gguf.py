@@ -17,7 +17,7 @@ import numpy as np
 
 from vegas_jax.checkpoint.common import assemble, np_dtype, registry_match, stack_layers
 from vegas_jax.config import ModelConfig, RopeScaling
-from vegas_jax.model import Params
+from vegas_jax.params import Params
 
 SUPPORTED_ARCHS = ("llama", "qwen3")
 

@@ -23,7 +23,7 @@ from vegas_jax.checkpoint.common import (
     stack_layers,
 )
 from vegas_jax.config import ModelConfig, from_hf_config
-from vegas_jax.model import Params
+from vegas_jax.params import Params
 
 _ST_DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,

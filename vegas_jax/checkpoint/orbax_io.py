@@ -22,7 +22,7 @@ from vegas_jax.checkpoint.common import (
     params_shapes, params_to_dict,
 )
 from vegas_jax.config import ModelConfig
-from vegas_jax.model import FUSED, Params
+from vegas_jax.params import FUSED, Params
 
 FORMAT = "vegas_jax"
 FORMAT_VERSION = 2  # 2: Q/K/V and gate/up stored fused (model.FUSED); 1: separate

@@ -1,0 +1,430 @@
+"""`method="auto"`: vegas with gamma, or plain decoding, chosen call by call while
+generating, from measured call times and the acceptance seen so far."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from vegas_jax.driver import DecodeClock
+
+
+class AutoController:
+    """Chooses each device call of `method="auto"`: a round at one of the candidate gammas,
+    or VANILLA_STEPS plain decoding steps, whichever gives the most tokens a second.
+
+    The cost model is learnt online. A call's device time is the interval between reading
+    consecutive outputs (one call stays in flight, so the host waits on the device); a
+    round's time is a line t = a + b * gamma through the rounds timed, with a term
+    c * active in the sequences the next call decodes once the calls' counts spread (a
+    batch of fixed-length outputs thins out at its end). tau(gamma) = 1 + sum_i prod_{j<=i}
+    a_j from the conditional acceptance a_j of each draft position seen so far; while no
+    prompt waits for a slot it is the batch's finish as its slowest sequence sees it
+    (`finish_tau`). It starts with rounds of the configured gamma, then a second candidate
+    (two gammas give the slope); plain steps are tried once, and only where the line's
+    intercept (a verify reads what a plain step reads, and more) says they could win;
+    every REPROBE calls the runner-up runs once when its estimate is close. Every
+    candidate is built and run before decoding (`warm_up`), so a switch never stalls the
+    device; the acceptance of a round right after plain steps is not counted (its drafts
+    read a selection older than those steps)."""
+
+    WINDOW = 3
+    VANILLA_STEPS = 8
+    REPROBE = 12
+    REPROBE_MARGIN = 0.15
+    TRACE = 64  # calls kept in stats["trace"]
+    # sequence-rounds seen before plain steps may be tried: acceptance from a handful of
+    # rounds is too noisy to give up on speculation
+    MIN_TRIALS = 24
+    WAITED_S = DecodeClock.WAITED_S  # a read that blocked this long found the device busy
+    # a dispatch this long held the host past the call in flight (a command buffer
+    # recorded): the read after it found the device idle, so its interval is not timed
+    STALL_S = 5e-3
+    # per-sequence acceptance is shrunk toward the batch's by this many pseudo-trials (a
+    # sequence's own count is a handful of rounds early on)
+    PRIOR = 16
+    # plain steps are probed when the bound's rate is within this of the best round's
+    PLAIN_MARGIN = 0.15
+    # the timed calls' active counts spread by this fraction of the largest before the
+    # line takes a term in them: a median over whole-batch and tail calls misleads
+    ACTIVE_SPREAD = 0.25
+
+    def __init__(self, spec):
+        g0 = spec.gamma
+        self.gammas = list(spec.method.candidates(g0))
+        # every round's spec names all candidates: the draft's tail is sized for the
+        # largest gamma a previous round may have run (`Auto.tail_len`)
+        self.spec = dataclasses.replace(
+            spec, method=dataclasses.replace(spec.method, gammas=tuple(self.gammas)))
+        # one more call of the first configuration: the first read has no interval
+        lower = [g for g in self.gammas if g < g0]
+        second = lower[-1] if lower else next((g for g in self.gammas if g > g0), None)
+        self.queue = [g0] * (self.WINDOW + 1) + [second] * self.WINDOW * (second is not None)
+        self.plain_probed = False
+        self.times: dict[int, list[float]] = collections.defaultdict(list)
+        self.loose: dict[int, list[float]] = collections.defaultdict(list)
+        # the active sequences of each call in `times` / `loose` (None: not known)
+        self.times_n: dict[int, list] = collections.defaultdict(list)
+        self.loose_n: dict[int, list] = collections.defaultdict(list)
+        self.n_active = None  # sequences the next call decodes (from the latest read)
+        self.last_waited = True
+        top = max(self.gammas)
+        self.trials = np.zeros(top + 1)
+        self.hits = np.zeros(top + 1)
+        # the same per slot ([b, top + 1]), and the slots decoding now (`_live`)
+        self.slot_trials = self.slot_hits = self.live = None
+        self.remaining = None  # tokens left per slot (`read`), None while prompts wait
+        self.in_flight: collections.deque = collections.deque()
+        self.last_read = None
+        self.skip_next = False  # the next read's interval holds a first dispatch
+        self.prev = None  # the configuration dispatched before the one being read
+        self.calls = collections.Counter()
+        self.runners: dict[int, Callable] = {}
+        self.dispatch_s: dict[int, list[float]] = collections.defaultdict(list)
+        self._cache = None  # `_timing`'s
+        self.warm_set: set[int] = set()  # candidates run once before decoding (`prepare`)
+        # the first calls: (configuration, interval s or None, fair, wait s, dispatch s)
+        self.trace: list = []
+        self.compile_s = 0.0
+
+    def prepare(self, make: Callable[[int], Callable], warm: Callable | None = None):
+        """Build and warm every candidate before decoding: `make(config)` returns its
+        runner; `warm(runner, again)` runs it, in two passes over all candidates (the
+        first builds the executables, the second records their command buffers)."""
+        t = time.perf_counter()
+        configs = [0, *self.gammas]
+        for c in configs:
+            self.runners[c] = make(c)
+        for again in (False, True) if warm is not None else ():
+            for c in configs:
+                if warm(self.runners[c], again):
+                    self.warm_set.add(c)
+        self.compile_s = time.perf_counter() - t
+
+    def choose(self) -> int:
+        """The next call's configuration: a gamma, or 0 for plain decoding."""
+        rates = self.rates()
+        if self.queue and self.queue[0] and 0 in rates:
+            t = self.round_time(self.queue[0])
+            if t is not None and (self.queue[0] + 1) / t < rates[0]:
+                self.queue = [c for c in self.queue if c == 0]  # rounds cannot win here
+        if self.queue:
+            return self.queue.pop(0)
+        if not rates:
+            return self.spec.gamma
+        if (0 not in rates and not self.plain_probed and self.trials[1] >= self.MIN_TRIALS
+                and sum(self.calls.values()) >= self.REPROBE):
+            self.plain_probed = True  # asked once: a plain probe's estimate then decides
+            step = self.plain_step_bound()
+            if step is not None and 1 / step >= (1 - self.PLAIN_MARGIN) * max(rates.values()):
+                return 0  # one call: its time decides (`rates`) whether more follow
+        ranked = sorted(rates, key=rates.get, reverse=True)
+        best = ranked[0]
+        if self.call_time(best) is None:  # chosen on an estimate: measure it
+            self.queue = [best] * (self.WINDOW - 1)
+        elif (len(ranked) > 1 and sum(self.calls.values()) % self.REPROBE == 0
+              and rates[ranked[1]] > (1 - self.REPROBE_MARGIN) * rates[best]):
+            if best == 0 and ranked[1] != 0:
+                # the first round after plain steps drafts from a stale selection and its
+                # acceptance is not counted: a second one is what updates the estimate
+                self.queue = [ranked[1]]
+            return ranked[1]
+        return best
+
+    def run(self, config: int, state):
+        # dispatched while the call before it runs: the interval that the next read closes
+        # (a candidate warmed before decoding has its kernels and command buffers ready)
+        self.skip_next |= self.calls[config] == 0 and config not in self.warm_set
+        self.calls[config] += 1
+        t = time.perf_counter()
+        out = self.runners[config](state)
+        dt = time.perf_counter() - t
+        self.dispatch_s[config].append(dt)
+        self.in_flight.append((config, dt))
+        return out
+
+    def read(self, n_acc=None, active=None, ready_at=None, wait_s=None, remaining=None):
+        """Called as each call's output is read, in dispatch order. ready_at: when the
+        output arrived on the host (`time.perf_counter()`; None: now); wait_s: how long
+        the host blocked for it (None: it did); remaining [b]: tokens each slot has left
+        to emit, when no prompt waits for a slot (the batch then ends with its slowest
+        sequence: `rates`), else None."""
+        config, dispatch = self.in_flight.popleft()
+        now = time.perf_counter() if ready_at is None else ready_at
+        # the call dispatched after this one (already in flight) may have stalled the host
+        # past this call's end: then this read found the device idle
+        stalled = bool(self.in_flight) and self.in_flight[0][1] > self.STALL_S
+        waited = (wait_s is None or wait_s >= self.WAITED_S) and not stalled
+        self.remaining = None if remaining is None else np.asarray(remaining)
+        active = None if active is None else np.asarray(active, bool)
+        n_ran = None if active is None else int(active.sum())  # sequences this call ran
+        if self.last_read is not None and not self.skip_next:  # the first read has no start
+            # An interval is the call's device time only when the host waited at both of
+            # its ends; otherwise the next call may have started before the read.
+            fair = waited and self.last_waited
+            (self.times if fair else self.loose)[config].append(now - self.last_read)
+            (self.times_n if fair else self.loose_n)[config].append(n_ran)
+            if len(self.trace) < self.TRACE:
+                self.trace.append((config, now - self.last_read, fair, wait_s, dispatch))
+        elif len(self.trace) < self.TRACE:
+            self.trace.append((config, None, False, wait_s, dispatch))
+        self.last_waited = waited
+        self.skip_next = False
+        self.last_read = now
+        if active is not None:  # the sequences the next call decodes
+            self.n_active = n_ran
+            if self.remaining is not None and len(self.remaining) == len(active):
+                self.n_active = int((active & (self.remaining > 0)).sum())
+        stale, self.prev = self.prev == 0, config
+        if config and n_acc is not None:
+            self._live(active)
+        # a round right after plain steps drafts from a selection older than those steps
+        # (`Method.after_plain`): its acceptance says little about the next rounds'
+        if config and n_acc is not None and not stale:
+            j = np.arange(1, config + 1)[None, :]
+            tried = (n_acc[:, None] >= j - 1) & active[:, None]  # [b, config]
+            hit = (n_acc[:, None] >= j) & active[:, None]
+            self.trials[1:config + 1] += tried.sum(0)
+            self.hits[1:config + 1] += hit.sum(0)
+            self.slot_trials[:, 1:config + 1] += tried
+            self.slot_hits[:, 1:config + 1] += hit
+
+    def _live(self, active):
+        """The sequences the next calls decode: those active in the latest round. A slot
+        that comes back to life holds a new prompt (refilled): its counts start over."""
+        active = np.asarray(active, bool)
+        if self.slot_trials is None or len(self.slot_trials) != len(active):
+            self.slot_trials = np.zeros((len(active), len(self.trials)))
+            self.slot_hits = np.zeros_like(self.slot_trials)
+            self.live = active
+        reborn = active & ~self.live
+        self.slot_trials[reborn] = 0
+        self.slot_hits[reborn] = 0
+        self.live = active
+
+    def _pooled(self):
+        """(trials, hits) per draft position of the sequences still decoding: once most
+        have finished, a batch of fixed-length outputs waits on the rest, whose acceptance
+        is what sets how long."""
+        if self.slot_trials is not None and self.live.any() and not self.live.all():
+            return self.slot_trials[self.live].sum(0), self.slot_hits[self.live].sum(0)
+        return self.trials, self.hits
+
+    @staticmethod
+    def _alpha(trials, hits, prior=0.0, weight=0.0):
+        """Conditional acceptance per draft position ([..., top + 1], entry 0 unused):
+        hits / trials, shrunk toward `prior` by `weight` pseudo-trials; positions never
+        drafted take the last one seen."""
+        alpha = (hits + weight * prior) / np.maximum(trials + weight, 1e-9)
+        seen = (trials + weight) > 0
+        seen[..., 0] = False
+        last_i = np.where(seen, np.arange(seen.shape[-1]), 0).max(-1, keepdims=True)
+        last = np.take_along_axis(alpha, last_i, -1)
+        return np.where(seen, alpha, last)
+
+    def tau(self, gamma: int) -> float:
+        """The mean accepted length of a gamma round over the sequences still decoding."""
+        trials, hits = self._pooled()
+        if not (trials[1:] > 0).any():
+            return float(gamma + 1)  # nothing seen yet: every draft accepted
+        alpha = self._alpha(trials, hits)
+        return 1.0 + float(np.cumprod(alpha[1:gamma + 1]).sum())
+
+    def finish_tau(self, gamma: int) -> float:
+        """tau as the batch's finish sees it. While no prompt waits for a slot, the batch
+        ends with the sequence whose tokens left / own tau is largest (R_s / tau_s(gamma)
+        rounds): the value returned is R / max_s(R_s / tau_s), R the most tokens any has
+        left, so that finish-time ratios read as tau / call time (all R_s equal: the
+        smallest tau_s). tau_s from each sequence's own acceptance, shrunk toward the
+        batch's by PRIOR trials. Otherwise (prompts waiting, nothing read yet) `tau`."""
+        rem = self.remaining
+        if rem is None or self.slot_trials is None or len(rem) != len(self.slot_trials):
+            return self.tau(gamma)
+        left = rem > 0
+        trials, hits = self._pooled()
+        if not left.any() or not (trials[1:] > 0).any():
+            return self.tau(gamma)
+        pool = self._alpha(trials, hits)
+        alpha = self._alpha(self.slot_trials[left], self.slot_hits[left], pool[None, :],
+                            self.PRIOR)  # [n, top + 1]
+        tau_s = 1.0 + np.cumprod(alpha[:, 1:gamma + 1], axis=1).sum(1)  # [n]
+        r = rem[left].astype(float)
+        return float(r.max() / (r / tau_s).max())
+
+    def _samples(self, c):
+        """The last 8 timed calls of configuration c and their active counts: those the
+        host waited for at both ends, or while there are none, all."""
+        t, n = (self.times, self.times_n) if self.times.get(c) else (self.loose, self.loose_n)
+        ts = (t.get(c) or [])[-8:]
+        ns = (n.get(c) or [])[-8:]
+        # times set without counts (tests) count as unknown
+        return ts, [None] * (len(ts) - len(ns)) + ns[max(0, len(ns) - len(ts)):]
+
+    def _active_line(self):
+        """(a, b, c) of t = a + b * gamma + c * active, least squares over the rounds'
+        last timed calls, where their active counts spread by ACTIVE_SPREAD and two gammas
+        were timed; None otherwise, or where the fit is not a cost (b <= 0, c < 0)."""
+        rows = [(g, n, t) for g in self.gammas for t, n in zip(*self._samples(g))
+                if n is not None]
+        if len({g for g, _, _ in rows}) < 2:
+            return None
+        g, n, t = np.array(rows, dtype=float).T
+        if n.max() - n.min() < self.ACTIVE_SPREAD * n.max():
+            return None
+        (a, b, c), *_ = np.linalg.lstsq(np.stack([np.ones_like(g), g, n], 1), t, rcond=None)
+        if not (b > 0 and c >= 0):
+            return None
+        return float(a), float(b), float(c)
+
+    def _timing(self):
+        """(call time of each timed configuration, the line (a, b) through the rounds' at
+        the number of sequences the next call decodes, or None), recomputed only when a sample
+        changed (`choose` asks for them several times a call). The line is
+        `_active_line`'s at that count where it has one, else one through each
+        configuration's median."""
+        key = (self.n_active,) + tuple((c, tuple(v[-8:])) for d in (self.times, self.loose)
+                                       for c, v in sorted(d.items()))
+        if self._cache is None or self._cache[0] != key:
+            med = {}
+            for c in (0, *self.gammas):
+                t, _ = self._samples(c)
+                if t:
+                    med[c] = float(np.median(t))
+            pts = [(g, t) for g, t in med.items() if g]
+            fit = None
+            line = self._active_line() if self.n_active is not None else None
+            if line is not None:
+                a, b, c = line
+                fit = (a + c * self.n_active, b)
+            elif len(pts) > 1:  # least squares, closed form
+                g, t = np.array(pts, dtype=float).T
+                b = float(((g - g.mean()) * (t - t.mean())).sum() / ((g - g.mean()) ** 2).sum())
+                fit = (float(t.mean()) - b * float(g.mean()), b)
+            self._cache = (key, med, fit)
+        return self._cache[1], self._cache[2]
+
+    def call_time(self, config: int) -> float | None:
+        """The median of a configuration's last timed calls: those the host waited for at
+        both ends, or while there are none (a host-bound loop never waits), all."""
+        return self._timing()[0].get(config)
+
+    def rounds(self):
+        """((gamma, call time) of every round configuration timed so far, the line (a, b)
+        through them or None)."""
+        med, fit = self._timing()
+        return [(g, t) for g, t in med.items() if g], fit
+
+    def round_time(self, gamma: int) -> float | None:
+        pts, fit = self.rounds()
+        if pts and fit:
+            a, b = fit
+            if b > 0 and a >= 0:
+                return a + b * gamma
+        if not pts:
+            return None
+        g, t = min(pts, key=lambda p: p[1] / (p[0] + 1))  # one gamma seen, or noise
+        return t * (gamma + 1) / (g + 1)
+
+    def plain_step_bound(self) -> float | None:
+        """A plain step's time estimated from the rounds alone: the intercept of the line
+        through the round times (from above: a verify reads the whole cache, as a step
+        does, and also captures and selects); where the line does not grow with gamma
+        (drafts too cheap to see among the noise) the shortest round; with one gamma timed,
+        or a line through the origin or below (launch-bound drafts, a step's cost each),
+        the shortest round time per token it processes (t / (gamma + 1), from below).
+        None before any round is timed."""
+        pts, fit = self.rounds()
+        if not pts:
+            return None
+        if fit is not None:
+            if fit[1] <= 0:
+                return min(t for _, t in pts)
+            if fit[0] > 0:
+                return fit[0]
+        return min(t / (g + 1) for g, t in pts)
+
+    def rates(self) -> dict[int, float]:
+        out = {}
+        if (t := self.call_time(0)) is not None:
+            out[0] = self.VANILLA_STEPS / t
+        for g in self.gammas:
+            t = self.round_time(g)
+            if t is not None:
+                out[g] = self.finish_tau(g) / t
+        return out
+
+    def stats(self) -> dict:
+        rates = self.rates()
+        name = lambda c: "vanilla" if c == 0 else f"gamma {c}"  # noqa: E731
+        ms = lambda t: None if t is None else round(1e3 * t, 3)  # noqa: E731
+        return {
+            "calls": {name(c): n for c, n in sorted(self.calls.items())},
+            "tokens_per_s_per_seq": {name(c): float(r) for c, r in sorted(rates.items())},
+            "choice": name(max(rates, key=rates.get)) if rates else None,
+            "ms_per_call": {name(c): 1e3 * t for c in sorted(self.calls)
+                            if (t := self.call_time(c)) is not None},
+            # intervals the host waited for at both ends (the device's time) / the others
+            "timed_calls": {name(c): [len(self.times.get(c, ())), len(self.loose.get(c, ()))]
+                            for c in sorted(self.calls)},
+            # the host's time handing each call to the runtime (median)
+            "dispatch_ms": {name(c): 1e3 * float(np.median(t))
+                            for c, t in sorted(self.dispatch_s.items())},
+            "compile_s": self.compile_s,
+            # the line t = a + b gamma + c active (ms) in use at the end, if the calls' active
+            # counts spread (`_active_line`)
+            "active_line_ms": (None if (ln := self._active_line()) is None
+                               else [1e3 * ln[0], 1e3 * ln[1], 1e3 * ln[2]]),
+            # the first calls: configuration, interval ms (None: not timed), fair, the
+            # host's wait for its output and its dispatch (ms)
+            "trace": [[name(c), ms(t), f, ms(w), ms(d)] for c, t, f, w, d in self.trace],
+            "warmed": len(self.warm_set),
+        }
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _all_finished(state, flag):
+    """The state, in its own buffers, with every sequence marked finished."""
+    done = state.progress.done
+    return state.replace(progress=state.progress.replace(
+        done=jnp.where(flag, jnp.ones_like(done), done)))
+
+
+def _without_kv(state):
+    """Everything in the state but the cache's K/V."""
+    return state.replace(cache=state.cache.replace(k=None, v=None))
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _restored(state, saved, flag):
+    """`saved`'s small leaves with `state`'s K/V, in `state`'s buffers. The small leaves
+    are computed (`where` on a traced flag): a leaf passed through from `saved` would get
+    a buffer of its own, not the donated one."""
+    small = jax.tree.map(lambda old, new: jnp.where(flag, new, old), _without_kv(state), saved)
+    return small.replace(cache=small.cache.replace(k=state.cache.k, v=state.cache.v))
+
+
+def warm_up(auto: AutoController, state, make: Callable[[int], Callable]):
+    """Build and run every candidate of `auto` on the decoding state's own buffers with
+    every sequence marked finished (nothing is emitted or advanced; K/V written past each
+    length is rewritten before any read), twice: XLA drops every executable's command
+    buffers whenever a new one is built, so the second pass records them with nothing
+    built after. Returns the state as it was. `make(config)` -> run(state) -> (state, out)."""
+    saved = jax.tree.map(jnp.copy, _without_kv(state))  # before its buffers are donated
+    box = {"state": _all_finished(state, True)}
+
+    def warm(run, again: bool) -> bool:
+        if again and not box.get("restored"):  # build the restore before graphs record
+            box["state"] = _all_finished(_restored(box["state"], saved, True), True)
+            box["restored"] = True
+        box["state"], _ = run(box["state"])
+        return True
+
+    auto.prepare(make, warm)
+    return jax.block_until_ready(_restored(box["state"], saved, True))
