@@ -75,7 +75,7 @@ def main(argv=None) -> int:
             tok = load_hf_tokenizer(src)
         if args.model is not None:
             cfg = _check_agrees(args.model, cfg, src)
-        from vegas_jax.model import param_bytes
+        from vegas_jax.params import param_bytes
 
         log(f"  {cfg.name}: {cfg.num_params() / 1e6:.1f}M params, "
             f"{param_bytes(params) / 2**30:.2f} GiB, tokenizer: {'yes' if tok is not None else 'none'}"

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from vegas_jax.config import ModelConfig, get_config
-from vegas_jax.model import init_params
+from vegas_jax.params import init_params
 
 
 class TinyModel(NamedTuple):
