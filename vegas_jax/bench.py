@@ -473,8 +473,7 @@ def run(args, model=None) -> list[dict]:
 def full_batch_tok_s(row, batch: int) -> float | None:
     """Tokens a second over the timed calls that ran with every sequence active: the rate
     a server that refills finished slots would see, free of the wait for this batch's
-    slowest sequence (which moves tok/s by up to ~10 % between runs of the same code:
-    BENCHMARKS.md 2026-12-02 f, 2026-12-06 d). None if no such call was timed."""
+    slowest sequence (which moves tok/s from run to run). None if no such call was timed."""
     tokens = ms = 0.0
     for m, a, n in zip(row["call_ms"], row["active_by_call"], row["tokens_by_call"]):
         if m is not None and a == batch:

@@ -186,13 +186,10 @@ def _moe(cfg: ModelConfig, h, lp: LayerParams, ragged_dot=lax.ragged_dot):
 
     The expert matmuls are `lax.ragged_dot` over the b*t*k (token, expert) rows sorted by
     expert: every expert's weights are read once and each row is multiplied only by its
-    own expert. Gathering each row's k experts' weights instead would read ~34 GB a layer
-    for a B 64, gamma 6 verify of Qwen3-30B in bf16, and running every expert on every
-    token would cost e/k times the FLOPs. No capacity limit: no token is ever dropped, so
-    a token's output does not depend on which other tokens share the call (as decode,
-    verify and draft need). XLA on the CPU lowers ragged_dot to one dense dot over
-    masked copies of the rows, e times the work: fine at test sizes. (So does XLA on the
-    GPU: `benchmarks.moe_memory`; `ragged_dot` swaps in another grouped matmul.)"""
+    own expert (gathering each row's experts' weights would read them many times over).
+    No capacity limit: no token is ever dropped, so a token's output does not depend on
+    which other tokens share the call (as decode, verify and draft need). XLA lowers
+    ragged_dot densely over every expert; on a Hopper GPU `ragged_dot` is our kernels."""
     b, t, hd = h.shape
     e, k, f = cfg.num_experts, cfg.experts_per_token, cfg.moe_intermediate_size
     gpt_oss = cfg.moe_style == "gpt-oss"

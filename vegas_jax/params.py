@@ -113,8 +113,7 @@ def stack_layers(params: Params) -> Params:
 def unstack_layers(params: Params, donate: bool = False) -> Params:
     """Params with one weight buffer per layer (a tuple of LayerParams). donate: each
     stacked buffer is freed once its layers are cut (params nobody else holds), so the
-    weights are held twice only one field at a time (Qwen3-30B-A3B: 61 GB of weights +
-    its 36 GB expert gate/up field, not 122 GB)."""
+    weights are held twice only one field at a time."""
     if isinstance(params.layers, tuple):
         return params
     n = params.layers.wo.shape[0]
@@ -154,9 +153,7 @@ def init_params(cfg: ModelConfig, key, dtype=jnp.bfloat16, scale: float = 0.02,
 
     Norm weights are ones, like a fresh checkpoint; projections N(0, scale). unrolled:
     one buffer per layer (the same values): no stacked field is ever made, so a large
-    model's load never holds a field twice (Qwen3-30B-A3B's 36 GB expert gate/up field
-    stacked and then cut peaked at 93.6 GiB for 57 GiB of weights, and the holes it left
-    kept a 24 GiB cache half from finding room on a 141 GB card).
+    model's load never holds a field twice (nor leaves the holes a cut stacked one would).
     """
     L, h, f, d = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     n, kv = cfg.num_heads, cfg.num_kv_heads
@@ -219,8 +216,7 @@ def init_params(cfg: ModelConfig, key, dtype=jnp.bfloat16, scale: float = 0.02,
 
 
 # A field larger than this is drawn a layer at a time into its buffer: drawn whole, its
-# fp32 normals and random bits sit beside every other field (Qwen3-30B-A3B's 36 GB expert
-# gate/up field would need ~110 GB more than its own bytes).
+# fp32 normals and random bits would need several times its own bytes at once.
 _DRAW_WHOLE_BYTES = 1 << 30
 
 

@@ -53,8 +53,7 @@ def top_k(x, k: int, block: int = TOPK_BLOCK):
     `block` entries) with the largest maxima, since a block holding a winner has a maximum
     at least the k-th value and at most k blocks can (each maximum is itself an entry). One
     max-reduction over x, then two small top-k's (over the block maxima, over k * block
-    candidates). `lax.top_k` on a 49K vocabulary with k = 20 runs XLA's segmented radix
-    sort on the GPU (BENCHMARKS.md, "What changed")."""
+    candidates); `lax.top_k` over a whole vocabulary runs a slow sort on the GPU."""
     *lead, v = x.shape
     if k * block * 2 >= v:
         return lax.top_k(x, k)

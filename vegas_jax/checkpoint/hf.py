@@ -158,8 +158,7 @@ def layer_names(cfg: ModelConfig) -> dict[str, tuple[str, bool]]:
 
 
 # Our stacked expert projection -> HF tensor name of expert E inside a layer, as Qwen3-MoE
-# checkpoints (and transformers' save_pretrained) store them: one nn.Linear per expert,
-# [out, in] (transformers fuses them into 3-D parameters only in memory).
+# checkpoints store them: one nn.Linear per expert, [out, in].
 EXPERT_NAMES = {
     "w_expert_gate": "mlp.experts.{}.gate_proj.weight",
     "w_expert_up": "mlp.experts.{}.up_proj.weight",
@@ -167,10 +166,8 @@ EXPERT_NAMES = {
 }
 
 
-# gpt-oss keeps a layer's experts in four 3-D tensors, [e, in, out] (and [e, out] biases),
-# gate and up interleaved along the last axis (gate in the even columns, up in the odd);
-# the weights either in the model's dtype or as MXFP4 `_blocks` + `_scales` ([e, out,
-# in / 32, 16] and [e, out, in / 32]).
+# gpt-oss: a layer's experts in 3-D tensors [e, in, out] (biases [e, out]), gate and up
+# interleaved along the last axis; weights in the model's dtype or MXFP4 blocks + scales.
 GPT_OSS_EXPERTS = "mlp.experts."
 
 
