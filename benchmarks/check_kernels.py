@@ -17,9 +17,7 @@ from pallas_kernels.sparse_attention import (
     StepBlocks, rope_halves, sparse_attention, sparse_attention_reference, sparse_step,
     sparse_step_reference,
 )
-from pallas_kernels.verify_attention import (
-    VerifyBlocks, verify_attention, verify_attention_reference,
-)
+from pallas_kernels.verify_attention import verify_attention, verify_attention_reference
 
 
 def rel(a, b):
@@ -92,7 +90,7 @@ def check_step(case, key):
     return max(rel(out[0], ref[0]), *rows) if v_exact else float("inf")
 
 
-def check_verify(case, key, blocks=None):
+def check_verify(case, key):
     b, kh, g, d, s, t, capture, rows = case
     ks = jax.random.split(key, 4)
     kc = jax.random.normal(ks[0], (2, b, kh, s, d), jnp.float32).astype(jnp.bfloat16)
@@ -101,7 +99,7 @@ def check_verify(case, key, blocks=None):
     n = jax.random.randint(ks[3], (b,), s // 2, s - t)
     q_pos = n[:, None] + jnp.arange(t)
     kw = dict(capture=capture, capture_rows=rows)
-    o1, s1 = jax.jit(lambda *a: verify_attention(*a, blocks=blocks, **kw))(
+    o1, s1 = jax.jit(lambda *a: verify_attention(*a, **kw))(
         q, kc, vc, jnp.int32(1), q_pos)
     o2, s2 = jax.jit(lambda *a: verify_attention_reference(*a, **kw))(q, kc, vc, jnp.int32(1), q_pos)
     return max(rel(o1, o2), rel(s1, s2) if s1 is not None else 0.0)
@@ -161,15 +159,13 @@ def main() -> int:
         bound = 2e-2 if case[-1] == jnp.bfloat16 else 1e-3
         bad += err > bound
         print(f"step {case[:10]} rel err {err:.2e} {'ok' if err <= bound else 'FAIL'}")
-    main = VerifyBlocks(cap_from="main")
-    for i, (case, blocks) in enumerate([((64, 3, 3, 64, 7808, 7, "mean", (0, 6)), None),
-                                        ((4, 8, 4, 128, 8192, 7, "rows", tuple(range(7))), None),
-                                        ((128, 3, 3, 64, 7808, 7, "mean", (0, 6)), main),
-                                        ((4, 8, 4, 128, 8192, 9, "rows", (0, 8)), main)]):
-        err = check_verify(case, jax.random.fold_in(key, 100 + i), blocks)
+    for i, case in enumerate([(64, 3, 3, 64, 7808, 7, "mean", (0, 6)),
+                              (4, 8, 4, 128, 8192, 7, "rows", tuple(range(7))),
+                              (128, 3, 3, 64, 7808, 7, "mean", (0, 6)),
+                              (4, 8, 4, 128, 8192, 9, "rows", (0, 8))]):
+        err = check_verify(case, jax.random.fold_in(key, 100 + i))
         bad += err > 2e-2
-        tag = "" if blocks is None else " cap_from=main"
-        print(f"verify{tag} {case} rel err {err:.2e} {'ok' if err <= 2e-2 else 'FAIL'}")
+        print(f"verify {case} rel err {err:.2e} {'ok' if err <= 2e-2 else 'FAIL'}")
     # gpt-oss-20b shapes: 8 KV heads of 8 query heads, head dim 64, window 128
     for i, case in enumerate([(4, 8, 8, 64, 8192, 1, None, 128, "none", (0,)),
                               (16, 8, 8, 64, 8192, 7, None, 128, "mean", (0, 6)),

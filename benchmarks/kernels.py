@@ -34,7 +34,7 @@ from jax import lax
 
 from pallas_kernels.sparse_attention import sparse_attention as _sparse_attention
 from pallas_kernels.sparse_attention import sparse_attention_reference
-from pallas_kernels.topk import blockwise_topk, select_topk_fast
+from pallas_kernels.topk import select_topk_fast
 from pallas_kernels.verify_attention import VerifyBlocks, verify_attention_reference
 from pallas_kernels.verify_attention import verify_attention as _verify_attention
 
@@ -392,8 +392,7 @@ def full_main(quick):
             exact = np.asarray(lax.top_k(x, k)[1])
             meths = {"top_k": lambda x: lax.top_k(x, k)[1],
                      "approx_max_k": lambda x: lax.approx_max_k(x, k, recall_target=0.95)[1],
-                     "block1024": lambda x: blockwise_topk(x, k, block=1024)[1],
-                     "block4096": lambda x: blockwise_topk(x, k, block=4096)[1]}
+                     "fast": lambda x: select_topk_fast(x, k)}
             for name, f in meths.items():
                 try:
                     run = jax.jit(lambda x, f=f: lax.fori_loop(
@@ -537,7 +536,7 @@ def table(ceil_bw, best):
         if r["kind"] == "topk":
             log(f"  B={r['B']:>2} S={r['S']:>6}: " + "  ".join(
                 f"{m} {f(r.get(m + '_us'))} ({f(r.get(m + '_recall'), 4)})"
-                for m in ("top_k", "approx_max_k", "block1024", "block4096")))
+                for m in ("top_k", "approx_max_k", "fast")))
     for r in RESULTS:
         if r["kind"] == "prefill":
             log(f"prefill T={r['T']}: pallas {f(r.get('pallas_ms'), 2)} ms ({f(r.get('pallas_tflops'))} TF/s)"
@@ -578,10 +577,9 @@ def focus_main():
         row = dict(kind="topk_all", L=L, B=b, S=s, k=k)
         ref_v = jnp.sort(lax.top_k(x, k)[0], axis=-1)
         meths = {"top_k": lambda x: lax.top_k(x, k)[1],
-                 "fast_sep": lambda x: select_topk_fast(x, k, count_impl="sep"),
-                 "fast_minor": lambda x: select_topk_fast(x, k, count_impl="minor"),
-                 "fast_major": lambda x: select_topk_fast(x, k, count_impl="major"),
-                 "fast_sep2": lambda x: select_topk_fast(x, k, radix_bits=2, count_impl="sep")}
+                 "fast": lambda x: select_topk_fast(x, k),
+                 "fused": lambda x: select_topk_fast(x, k, threshold="fused",
+                                                     interpret=SMOKE)}
         for name, f in meths.items():
             if left() < 30:
                 break
@@ -648,7 +646,7 @@ def focus_main():
         if r["kind"] == "topk_all":
             log(f"  [{r['L']},{r['B']},{r['S']}] k={r['k']}: " + "  ".join(
                 f"{m} {f(r.get(m + '_us'))} ({r.get(m + '_exact', r.get(m + '_err', '-'))})"
-                for m in ("top_k", "fast_sep", "fast_minor", "fast_major", "fast_sep2")))
+                for m in ("top_k", "fast", "fused")))
     log(f"total {time.time() - T0:.0f} s")
 
 

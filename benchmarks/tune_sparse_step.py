@@ -6,10 +6,9 @@ Times 30 chained calls (one per layer, the cache carried and written in place, a
 draft step; the layers unrolled, as the model runs them on the GPU) for each candidate
 `StepBlocks` and for the plain-XLA `sparse_step_reference`, and prints microseconds per
 layer call: the kernels' own time from a profiler trace (what a draft step pays) and the
-wall time. (Before 2026-12-02 e the layers ran in a `fori_loop`, whose host walk per
-layer, ~34 us, hid the kernels' differences.) Each candidate is first checked on one call
-against the reference, and for 20 calls giving the same bits. The selected positions are
-sorted, as the selection hands them over."""
+wall time. Each candidate is first checked on one call against the reference, and for 20
+calls giving the same bits. The selected positions are sorted, as the selection hands
+them over."""
 
 from __future__ import annotations
 
@@ -28,9 +27,8 @@ from pallas_kernels.sparse_attention import (
 SPLIT = 10**9
 
 
-def whole_tile(bk, w, st=3, merge=False, late=False):
-    return StepBlocks(whole=SparseBlocks(block_k=bk, num_warps=w, num_stages=st,
-                                         merge_tail=merge, write_last=late), whole_from=1)
+def whole_tile(bk, w, st=3):
+    return StepBlocks(whole=SparseBlocks(block_k=bk, num_warps=w, num_stages=st), whole_from=1)
 
 
 def split_tile(t, bk, w=4, st=2):
@@ -58,26 +56,16 @@ SPLIT_GRID = [("default", StepBlocks())] + [
     if not (bk == 32 and w == 8)]
 
 # many sequences (SmolLM2 B 64 / 128: 192 / 384 pairs of ~550 entries): the whole-pair
-# default against lists cut over more programs than the default split aims at (its 264 /
-# 528 were measured there; 1056+ only at Qwen3-8B's shapes)
+# default against lists cut over more programs than the default split aims at
 BATCH_GRID = [("default", StepBlocks())] + [
     (f"split t{t} bk{bk} w{w} s3", split_tile(t, bk, w, 3))
     for t in (1056, 2112, 4224) for bk in (32, 64) for w in (2, 4)]
-# two or three programs a pair with the whole-pair tile: no faster than one (the whole
-# kernel's cost is ~6.3 us fixed plus its bytes at ~2.7 TB/s, whatever the grid, and the
-# combine adds ~2 us at B 64: BENCHMARKS.md 2026-12-06 c)
+# two or three programs a pair with the whole-pair tile
 FEW_GRID = [("default", StepBlocks())] + [
     (f"split t{t} bk{bk} w2 s3", split_tile(t, bk, 2, 3))
     for t in (384, 576, 768) for bk in (64, 32)]
-# the whole-pair kernel's fixed cost: the list and the tail in one loop
-# (`SparseBlocks.merge_tail`), the cache write after the walk (`write_last`)
-MERGE_GRID = [("default", StepBlocks())] + [
-    (f"whole bk{bk} w{w} s{st}{' merged' if mg else ''}{' late' if lt else ''}",
-     whole_tile(bk, w, st, mg, lt))
-    for bk, w, st in ((64, 2, 3), (128, 4, 3))
-    for mg in (False, True) for lt in (False, True)]
 GRIDS = {"default": CANDIDATES, "split": SPLIT_GRID, "batch": BATCH_GRID, "few": FEW_GRID,
-         "merge": MERGE_GRID, "one": [("default", StepBlocks())]}
+         "one": [("default", StepBlocks())]}
 
 
 def add_shape_args(p) -> None:
@@ -156,8 +144,7 @@ def main():
                    help="the candidate set: whole vs split tiles (default), the split "
                    "path's grid sizes, tiles, warps and stages (split), wide splits "
                    "against the whole-pair default at many sequences (batch), two or "
-                   "three programs a pair (few), the list and tail in one loop and the "
-                   "cache write last (merge), or the default alone (one)")
+                   "three programs a pair (few), or the default alone (one)")
     a = p.parse_args()
     L, kh, g = a.layers, a.kv_heads, a.group
     x = step_inputs(a)

@@ -3,15 +3,11 @@ one kernel for all layers.
 
 The verify kernel stores the capture rows' raw logits (fp16, log2 units) of every layer
 into one stacked buffer (`verify_attention(..., capture_into=...)`); their softmax weights
-need each row's final LSE, known only after the split-K combine. Before this kernel a round
-turned them into scores with an epilogue kernel a layer, stacked the layers' [b, s] scores,
-carried the old ones over (`max(new, decay * old)`) in an XLA fusion, and then ran the
-threshold select (H200, SmolLM2 B 128: 480 + 145 + 621 us a round; H100: 548 + 168 + 293).
-Here one program per (layer, sequence) reads its rows' logits once, sums their weights in
-registers, carries, and selects and compacts the row it holds (`topk.select_resident`,
-its radix passes stopping once the threshold is pinned): the scores never reach HBM but
-as the carried copy. H100, SmolLM2 B 128, in the round: 650 us against those 1009
-(BENCHMARKS.md, 2026-12-05); the 16 radix passes without the early exit took 1.58 ms.
+need each row's final LSE, known only after the split-K combine. One program per (layer,
+sequence) reads its rows' logits once, sums their weights in registers, carries the old
+scores (`max(new, decay * old)`), and selects and compacts the row it holds
+(`topk.select_resident`, its radix passes stopping once the threshold is pinned): the
+scores never reach HBM but as the carried copy.
 
 Shapes (R = capture rows a sequence: KV heads x capture tokens x group):
   cbuf   [L * b * R + spare, s_pad] fp16, row (l * b + bi) * R + r
@@ -61,7 +57,7 @@ def select_from_capture_reference(cbuf, offset, end, want, kmax, s, old=None, de
 
 
 def _kernel(off_ref, end_ref, want_ref, cbuf_ref, *refs, b, r, n_rows, s_len, chunk, kmax,
-            decay, radix_bits, early):
+            decay):
     # off_ref [L * b * r] fp32; end_ref, want_ref [b] int32; cbuf_ref [L * b * r + spare,
     # s_pad] (whole); refs: (old_ref [L * b, s] when decay,) o_ref [L * b * kmax + chunk]
     # int32 (whole), (acc_ref [L * b, s] when decay)
@@ -71,8 +67,7 @@ def _kernel(off_ref, end_ref, want_ref, cbuf_ref, *refs, b, r, n_rows, s_len, ch
         (o_ref,) = refs
     l, bi = pl.program_id(0), pl.program_id(1)
     row = l * b + bi
-    # [1, chunk] tiles throughout, as `select_resident` takes the row (loading 1-D rows and
-    # expanding them measured the same on the H100: 1.95 against 2.05 ms at B 128)
+    # [1, chunk] tiles throughout, as `select_resident` takes the row
     cols = jnp.arange(chunk, dtype=jnp.int32)[None, :]  # [1, chunk]
     ranked = cols <= end_ref[bi]
     score = jnp.zeros((1, chunk), jnp.float32)
@@ -88,15 +83,14 @@ def _kernel(off_ref, end_ref, want_ref, cbuf_ref, *refs, b, r, n_rows, s_len, ch
         pltr.store(acc_ref.at[pl.ds(row, 1), pl.ds(0, chunk)], score, mask=cols < s_len)
     key = jnp.where(cols < s_len, _signed_keys(score), jnp.int32(_INT_MIN))  # [1, chunk]
     want = want_ref[pl.ds(bi, 1)]  # [1]
-    select_resident(key, want, jnp.full((1,), row, jnp.int32), n_rows, kmax, o_ref, radix_bits,
-                    early)
+    select_resident(key, want, jnp.full((1,), row, jnp.int32), n_rows, kmax, o_ref,
+                    radix_bits=2, early=True)
 
 
 def select_from_capture(cbuf, offset, end, want, kmax, s, old=None, decay=0.0, *,
-                        radix_bits=2, num_warps=None, early=True, interpret=False):
+                        interpret=False):
     """See the module docstring. s: positions a row ranks (the cache length, at most
-    `topk.PALLAS_MAX_KEYS`); num_warps None: 16 for rows of 8K+ positions, else 4; early:
-    the radix passes stop once the threshold is pinned (`topk._kth_resident_early`)."""
+    `topk.PALLAS_MAX_KEYS`)."""
     L, b, r = offset.shape
     if s > PALLAS_MAX_KEYS:
         raise ValueError(f"rows of at most {PALLAS_MAX_KEYS} positions, got {s}")
@@ -116,13 +110,14 @@ def select_from_capture(cbuf, offset, end, want, kmax, s, old=None, decay=0.0, *
         out_specs.append(whole((rows, s)))
     res = pl.pallas_call(
         functools.partial(_kernel, b=b, r=r, n_rows=rows, s_len=s, chunk=chunk, kmax=kmax,
-                          decay=float(decay), radix_bits=radix_bits, early=early),
+                          decay=float(decay)),
         grid=(L, b),
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
-        compiler_params=pltr.CompilerParams(
-            num_warps=num_warps or (16 if chunk >= 8192 else 4), num_stages=1),
+        # 16 warps for rows of 8K+ positions: the fastest measured
+        compiler_params=pltr.CompilerParams(num_warps=16 if chunk >= 8192 else 4,
+                                            num_stages=1),
         interpret=interpret,
         name="vegas_select_from_capture",
     )(*args)

@@ -16,6 +16,8 @@ def dot(a, b, trans_a=False, trans_b=False):
     """Triton dot with fp32 accumulation; fp32 operands multiply in full fp32, not TF32
     (fp32 results must match the XLA path's; bf16 operands are unaffected)."""
     return _dot(a, b, trans_a=trans_a, trans_b=trans_b, allow_tf32=False)
+
+
 # A finite "minus infinity" for masked logits: exp(NEG - m) is 0 without inf - inf = NaN.
 NEG = -0.7 * float(jnp.finfo(jnp.float32).max)
 
@@ -32,8 +34,8 @@ SMEM_BYTES = 227 * 1024  # shared memory one SM gives its blocks (Hopper)
 
 
 def sm_count() -> int:
-    """Streaming multiprocessors of the default device (132 on an H200; also the figure
-    used where JAX reports none, e.g. the CPU in interpret mode)."""
+    """Streaming multiprocessors of the default device (Hopper's 132 where JAX reports
+    none, e.g. the CPU in interpret mode)."""
     return int(getattr(jax.devices()[0], "core_count", 0) or 132)
 
 
@@ -47,8 +49,7 @@ def wave_splits(per: int, s: int, block_k: int, j0: int, j_max: int, resident: i
     """Key splits of s keys (whole blocks of block_k) for `per` programs per split: from
     j0 (the target grid) to j_max or 1.5 * j0, the count whose grid fills its last wave
     best, `resident` programs running at once (the fewest splits among equals: each costs
-    a combine). A grid of 576 programs on 264 slots runs 3 waves, the last 18 % full; 768
-    runs 3 full ones."""
+    a combine)."""
     best, best_eff = j0, 0.0
     for j in range(j0, min(j_max, -(-3 * j0 // 2)) + 1):
         p = per * key_splits(s, j, block_k)[1]
@@ -100,9 +101,9 @@ def _untouched(o_ref):
 
 def empty(shape, dtype):
     """A float array of `shape` whose contents are undefined, for a buffer that kernels
-    fill piecewise, where `jnp.zeros` would cost a memset of the whole of it (1.1 GB a
-    SmolLM2 round at B 128): on the GPU one empty kernel; elsewhere (kernels in interpret
-    mode) NaN, so that a read of an entry never written shows."""
+    fill piecewise, where `jnp.zeros` would cost a memset of the whole of it: on the GPU
+    one empty kernel; elsewhere (kernels in interpret mode) NaN, so that a read of an
+    entry never written shows."""
     if jax.default_backend() != "gpu":
         return jnp.full(shape, jnp.nan, dtype)
     return pl.pallas_call(

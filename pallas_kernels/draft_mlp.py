@@ -1,16 +1,14 @@
 """A draft layer's MLP input in one kernel: RMS norm row scale, gate/up projection and the
 SwiGLU activation.
 
-At SmolLM2 B 64 every small matmul of a draft step costs 3-4.7 us whatever its bytes (a
-latency floor per kernel, not a tile choice: `benchmarks.tune_draft_gemm`, BENCHMARKS.md
-2026-12-06 c), and a layer's MLP input took three kernels: the norm's row scale, the
-gate/up GEMM and silu(gate) * up. Here one program per (row tile, column tile) walks the
-hidden dimension once, accumulating both x @ W_gate and x @ W_up for its columns and the
-rows' sum of squares; the norm's row scale r = rsqrt(mean(x^2) + eps) commutes with the
-projection ((r x) @ W = r (x @ W)) and is applied to the fp32 accumulators with the
-activation. The norm's weight must already be folded into W (`model.fold_norms`).
-Rounded once at the end (the XLA path rounds r x, then x @ W, then the activation): drafts
-only, whose tokens the verify checks.
+A layer's MLP input is otherwise three kernels (the norm's row scale, the gate/up GEMM,
+silu(gate) * up), each with a fixed cost that small drafts feel. Here one program per (row
+tile, column tile) walks the hidden dimension once, accumulating both x @ W_gate and
+x @ W_up for its columns and the rows' sum of squares; the norm's row scale
+r = rsqrt(mean(x^2) + eps) commutes with the projection ((r x) @ W = r (x @ W)) and is
+applied to the fp32 accumulators with the activation. The norm's weight must already be
+folded into W. Rounded once at the end (the XLA path rounds r x, then x @ W, then the
+activation): drafts only, whose tokens the verify checks.
 
 Shapes: x [m, h]; w_gate_up [h, 2f] (gate columns, then up columns); out [m, f].
 """
@@ -32,10 +30,8 @@ from pallas_kernels.common import dot, pow2_at_least, sm_count, whole
 @dataclasses.dataclass(frozen=True)
 class MlpTile:
     """Rows, hidden and output columns of a program's block; Triton's warps and stages
-    (the hidden walk is a pipelined `fori_loop`). The defaults: 64 x 32 column tiles on 4
-    warps and 4 stages read SmolLM2's gate/up fastest of 10 tiles at 64 rows (3.33 us
-    against cuBLAS's 4.19: BENCHMARKS.md 2026-12-06 c); 16 columns a program here, since
-    each program multiplies two column tiles (gate and up)."""
+    (the hidden walk is a pipelined `fori_loop`). The defaults: the fastest tile measured
+    (each program multiplies two column tiles, gate and up)."""
 
     block_m: int = 64
     block_k: int = 64
@@ -44,19 +40,11 @@ class MlpTile:
     num_stages: int = 4
 
 
-MLP_TILE = MlpTile()  # read at call time (a tuning benchmark swaps it)
-
-# The kernel pays where a layer's gate/up weights are small enough that three kernels'
-# fixed costs outweigh their bytes: a SmolLM2-135M draft step (3.5 MB a layer) 1.174 ->
-# 1.108 ms at B 64, while it reads weights at ~0.6-0.9 TB/s against cuBLAS's ~2.8 at
-# Qwen3-8B's 201 MB (3x slower; BENCHMARKS.md 2026-12-06 d). By those rates the break-even
-# is ~5 MB; sizes between were not measured, so the bound stays at the measured win.
+# The kernel pays where a layer's gate/up weights are small: there the three kernels'
+# fixed costs outweigh their bytes, while on large weights it reads slower than cuBLAS.
 SMALL_BYTES = 4 << 20
-# ... and where the draft has many rows: at SmolLM2's widths the kernel takes ~5.9 us a
-# layer at 64 rows and 6.5 at 128 but 7.3-7.5 at 8-32 (its row tile shrinks with them),
-# where XLA's three kernels are faster: draft step 1.174 -> 1.108 ms at B 64, 1.508 ->
-# 1.489 at B 128, but 0.930 -> 0.948 at B 1, 0.927 -> 0.931 at B 16, 1.015 -> 1.023 at
-# B 32 (H100, BENCHMARKS.md 2026-12-06 d).
+# ... and where the draft has many rows: with fewer, its row tile shrinks and XLA's three
+# kernels are faster.
 MIN_ROWS = 64
 
 
@@ -71,9 +59,9 @@ def norm_gate_up_reference(x, w_gate_up, *, eps: float):
 
 
 def tile_for(h: int, f: int, tile: MlpTile | None = None) -> MlpTile | None:
-    """`tile` (default `MLP_TILE`) with block_k halved until it divides h and block_n until
-    it divides f (neither below 16), or None if none does."""
-    tile = tile or MLP_TILE
+    """`tile` (default `MlpTile()`) with block_k halved until it divides h and block_n
+    until it divides f (neither below 16), or None if none does."""
+    tile = tile or MlpTile()
     bk, bn = tile.block_k, tile.block_n
     while bk >= 16 and h % bk:
         bk //= 2
@@ -111,8 +99,7 @@ def _kernel(x_ref, w_ref, o_ref, *, m, h, f, eps, block_m, block_k, block_n):
 
 def one_wave(t: MlpTile, m: int, f: int) -> MlpTile:
     """t with block_n doubled (up to 64, while it divides f) until the grid fits one wave
-    of the GPU's SMs: at 64 rows SmolLM2's 96 programs of 16 columns take 5.5 us, at 128
-    rows 192 of them 7.4 us and 96 of 32 columns 6.1 (BENCHMARKS.md 2026-12-06 d)."""
+    of the GPU's SMs: a second, partial wave costs more than wider column tiles."""
     bm = min(t.block_m, pow2_at_least(m))
     bn = t.block_n
     while -(-m // bm) * (f // bn) > sm_count() and bn < 64 and f % (2 * bn) == 0:
@@ -123,8 +110,8 @@ def one_wave(t: MlpTile, m: int, f: int) -> MlpTile:
 def norm_gate_up(x, w_gate_up, *, eps: float, tile: MlpTile | None = None,
                  interpret: bool = False):
     """`norm_gate_up_reference` as one Pallas (Triton) kernel. x [m, h], w_gate_up [h, 2f];
-    h must be a multiple of 16 and f of 16 (`tile_for`). tile: default `MLP_TILE`, its
-    columns widened to one wave (`one_wave`); a given tile is used as it is.
+    h must be a multiple of 16 and f of 16 (`tile_for`). tile: None for `MlpTile()` with
+    its columns widened to one wave (`one_wave`); a given tile is used as it is.
     Returns [m, f] in x's dtype."""
     m, h = x.shape
     f = w_gate_up.shape[-1] // 2

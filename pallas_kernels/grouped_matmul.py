@@ -2,18 +2,11 @@
 times its own expert's weights (`lax.ragged_dot`'s semantics).
 
 XLA lowers `lax.ragged_dot` on the GPU (jax 0.11) as a dense computation over every
-(row, expert) pair: e times the work, and temporaries of rows x e x hidden (1.8 GB and
-6.7 ms a layer for a Qwen3-30B-A3B verify of 448 rows; BENCHMARKS.md, 2026-12-02 e).
-On Hopper GPUs the "mosaic" path runs jax's own Pallas Mosaic-GPU grouped matmul
-(`jax.experimental.pallas.ops.gpu.ragged_dot_mgpu`), which reads only the weights of
-experts that have rows and needs no temporaries (0.61 ms at 448 rows, bitwise equal).
-Its grid holds G - 1 spare row tiles that still run their K loop (0.40 ms at 4 rows,
-where 32 experts' weights take ~0.07 ms to read): the "triton" path (`grouped_matmul`,
-a Pallas Triton kernel of our own) has one program per (non-empty row tile, column
-tile), at most min(g, m) + m / 16 row tiles, and spare programs exit at once. "pallas"
-picks between the two by the (static) row count: on the H100 (one Qwen3-30B-A3B layer,
-`benchmarks.moe_memory`, BENCHMARKS.md 2026-12-02 f) triton took 0.30 / 0.47 / 0.56 /
-0.80 ms at 4 / 28 / 64 / 448 tokens against mosaic's 0.51 / 0.52 / 0.55 / 0.73.
+(row, expert) pair: e times the work, and temporaries of rows x e x hidden. `ragged_dot`'s
+"pallas" path reads only the weights of experts that have rows: for many rows jax's own
+Mosaic-GPU grouped matmul (`jax.experimental.pallas.ops.gpu.ragged_dot_mgpu`, Hopper
+only), for few rows our Pallas Triton kernel (`grouped_matmul`), whose grid holds one
+program per non-empty row tile, where the Mosaic kernel runs every spare row tile's K loop.
 
 Shapes: lhs [m, k] rows sorted by group; rhs [g, k, n]; group_sizes [g] (summing to m).
 """
@@ -31,40 +24,33 @@ from jax.experimental.pallas import triton as pltr
 
 from pallas_kernels.common import dot, whole
 
-IMPLS = ("xla", "mosaic", "triton", "pallas")
+IMPLS = ("xla", "pallas")
 # "pallas": the Triton kernel up to this many expert rows (tokens x experts per token:
 # 28 tokens of Qwen3-MoE's top-8 are 224 rows), the Mosaic kernel above
 TRITON_MAX_ROWS = 256
 
-# The Mosaic kernel's tiles: block_k must divide k and block_n must divide n (Qwen3-MoE:
-# k 2048 / 768, n 1536 / 2048 fit; gpt-oss's gate/up fits (k 2880, n 5760), its down
-# projection (n 2880, not a multiple of 128) falls back to XLA).
+# The Mosaic kernel's tiles: block_k must divide k and block_n n (Qwen3-MoE's and gpt-oss's
+# gate/up fit; gpt-oss's down projection, n 2880, falls back to XLA)
 BLOCK_M, BLOCK_N, BLOCK_K, STEPS = 64, 128, 64, 4
 
 
 @dataclasses.dataclass(frozen=True)
 class GmmTile:
     """`grouped_matmul`'s tile: rows, columns and k of a block, Triton's warps and
-    stages, and whether k is walked in a pipelined `fori_loop` (else unrolled)."""
+    stages, and whether k is walked in a pipelined `fori_loop` (else unrolled). The
+    defaults: the fastest tile measured in the model's decode step."""
 
     block_m: int = 16
     block_n: int = 64
-    block_k: int = 64
+    block_k: int = 128
     num_warps: int = 4
-    num_stages: int = 2
-    loop: bool = False
+    num_stages: int = 3
+    loop: bool = True
 
 
-# k in 128-column blocks through a 3-stage pipelined loop: Qwen3-30B-A3B's expert matmuls
-# at B 1 in the model's decode step 1974 + 860 us -> 844 + ~446 us against the unrolled
-# 64-column default (`kernel_profile --gmm-tiles`, H200; BENCHMARKS.md, 2026-12-03 e)
-GMM_TILE = GmmTile(block_k=128, num_stages=3, loop=True)  # read at call time
-
-
-def tile_for(k: int, tile: GmmTile | None = None) -> GmmTile | None:
-    """`tile` (default `GMM_TILE`) with its block_k halved until it divides k (not below
-    16: gpt-oss's k 2880 takes 64), or None if none does."""
-    tile = tile or GMM_TILE
+def tile_for(k: int, tile: GmmTile = GmmTile()) -> GmmTile | None:
+    """`tile` with its block_k halved until it divides k (not below 16: gpt-oss's k 2880
+    takes 64), or None if none does."""
     bk = tile.block_k
     while bk >= 16 and k % bk:
         bk //= 2
@@ -78,15 +64,15 @@ def mosaic_fits(lhs, rhs) -> bool:
             and k % BLOCK_K == 0 and n % BLOCK_N == 0)
 
 
-def triton_fits(lhs, rhs) -> bool:
+def triton_fits(lhs, rhs, tile: GmmTile = GmmTile()) -> bool:
     """Whether `grouped_matmul` (a `tile_for` tile) takes these operands."""
     _, k, n = rhs.shape
-    return (lhs.dtype in (jnp.bfloat16, jnp.float16) and tile_for(k) is not None
-            and n % GMM_TILE.block_n == 0)
+    return (lhs.dtype in (jnp.bfloat16, jnp.float16) and tile_for(k, tile) is not None
+            and n % tile.block_n == 0)
 
 
 def hopper() -> bool:
-    """The default device is an NVIDIA GPU of compute capability 9.x (H100 / H200)."""
+    """The default device is an NVIDIA GPU of compute capability 9.x (Hopper)."""
     dev = jax.devices()[0]
     return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")).startswith("9")
 
@@ -137,55 +123,51 @@ def _gmm_kernel(grp_ref, row0_ref, rows_ref, x_ref, w_ref, o_ref, *, block_m, bl
                    acc.astype(o_ref.dtype), mask=ok)
 
 
-def grouped_matmul(lhs, rhs, group_sizes, *, block_m=GmmTile.block_m,
-                   block_k=GmmTile.block_k, block_n=GmmTile.block_n,
-                   num_warps=GmmTile.num_warps, num_stages=GmmTile.num_stages,
-                   loop=GmmTile.loop, interpret=False):
+def grouped_matmul(lhs, rhs, group_sizes, *, tile: GmmTile = GmmTile(), interpret=False):
     """`lax.ragged_dot` for few rows as a Pallas (Triton) kernel: each (row tile, column
     tile) program multiplies up to block_m rows of one group by that group's [k, block_n]
-    weight columns, so only groups with rows are read. k must be a multiple of block_k and
-    n of block_n. loop: walk k in a `fori_loop` (pipelined over num_stages) instead of
-    unrolled. The defaults are `GmmTile()`'s; `ragged_dot` passes `GMM_TILE` (`tile_for`).
-    Returns [m, n] in lhs.dtype."""
+    weight columns, so only groups with rows are read. k must be a multiple of
+    tile.block_k and n of tile.block_n (`tile_for` fits block_k). Returns [m, n] in
+    lhs.dtype."""
     m, k = lhs.shape
     g, _, n = rhs.shape
-    if k % block_k or n % block_n:
-        raise ValueError(f"k={k} and n={n} must be multiples of block_k={block_k} and "
-                         f"block_n={block_n}")
-    grp, row0, rows = tile_plan(group_sizes, m, block_m)
-    kernel = functools.partial(_gmm_kernel, block_m=block_m, block_k=block_k,
-                               block_n=block_n, k=k, loop=loop)
+    if k % tile.block_k or n % tile.block_n:
+        raise ValueError(f"k={k} and n={n} must be multiples of block_k={tile.block_k} and "
+                         f"block_n={tile.block_n}")
+    grp, row0, rows = tile_plan(group_sizes, m, tile.block_m)  # [T] each
+    kernel = functools.partial(_gmm_kernel, block_m=tile.block_m, block_k=tile.block_k,
+                               block_n=tile.block_n, k=k, loop=tile.loop)
     return pl.pallas_call(
         kernel,
-        grid=(grp.shape[0], n // block_n),
+        grid=(grp.shape[0], n // tile.block_n),
         in_specs=[whole(grp.shape), whole(row0.shape), whole(rows.shape), whole(lhs.shape),
                   whole(rhs.shape)],
         out_specs=whole((m, n)),
         out_shape=jax.ShapeDtypeStruct((m, n), lhs.dtype),
-        compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        compiler_params=pltr.CompilerParams(num_warps=tile.num_warps,
+                                            num_stages=tile.num_stages),
         interpret=interpret,
         name="vegas_grouped_matmul",
     )(grp, row0, rows, lhs, rhs)
 
 
-def ragged_dot(lhs, rhs, group_sizes, precision=None, *, impl: str = "xla"):
-    """lhs [m, k] x rhs [g, k, n] by groups -> [m, n] in lhs.dtype. impl "mosaic" runs the
-    Mosaic-GPU kernel where it fits (`mosaic_fits`), "triton" our `grouped_matmul` where
-    it fits (`triton_fits`), XLA's ragged_dot elsewhere (fp32 operands among them: the
-    kernels' tensor-core products would round them to TF32). impl "pallas": "triton" up
-    to TRITON_MAX_ROWS rows, "mosaic" above (and where triton does not fit)."""
+def ragged_dot(lhs, rhs, group_sizes, precision=None, *, impl: str = "xla",
+               tile: GmmTile = GmmTile()):
+    """lhs [m, k] x rhs [g, k, n] by groups -> [m, n] in lhs.dtype. impl "xla": XLA's
+    ragged_dot; "pallas" (Hopper): `grouped_matmul` (its `tile` fitted to k) up to
+    TRITON_MAX_ROWS rows, the Mosaic-GPU kernel above, each where it fits the operands
+    (`triton_fits`, `mosaic_fits`), XLA's ragged_dot elsewhere (fp32 operands among them:
+    the kernels' tensor-core products would round them to TF32)."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if impl == "pallas":
-        few = lhs.shape[0] <= TRITON_MAX_ROWS and triton_fits(lhs, rhs)
-        impl = "triton" if few else "mosaic"
-    if impl == "triton" and triton_fits(lhs, rhs):
-        return grouped_matmul(lhs, rhs, group_sizes,
-                              **dataclasses.asdict(tile_for(lhs.shape[1])))
-    if impl == "mosaic" and mosaic_fits(lhs, rhs):
-        from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+        if lhs.shape[0] <= TRITON_MAX_ROWS and triton_fits(lhs, rhs, tile):
+            return grouped_matmul(lhs, rhs, group_sizes, tile=tile_for(lhs.shape[1], tile))
+        if mosaic_fits(lhs, rhs):
+            from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
 
-        return ragged_dot_mgpu.ragged_dot(
-            lhs, rhs, group_sizes=group_sizes.astype(jnp.int32), block_m=BLOCK_M,
-            block_n=BLOCK_N, block_k=BLOCK_K, max_concurrent_steps=STEPS, grid_block_n=1)
+            return ragged_dot_mgpu.ragged_dot(
+                lhs, rhs, group_sizes=group_sizes.astype(jnp.int32), block_m=BLOCK_M,
+                block_n=BLOCK_N, block_k=BLOCK_K, max_concurrent_steps=STEPS,
+                grid_block_n=1)
     return lax.ragged_dot(lhs, rhs, group_sizes, precision=precision)

@@ -92,88 +92,40 @@ def sparse_attention_reference(q, k_cache, v_cache, layer, idx, count, tail_star
 
 @dataclasses.dataclass(frozen=True)
 class SparseBlocks:
-    """Tuning knobs. block_k: gathered rows per loop step; num_warps / num_stages: Triton;
-    target_programs: grid size aimed at when cutting the entries into chunks. (Gathering
-    the next block's K/V before this block's arithmetic, two blocks in registers, measured
-    slower at every shape tried: BENCHMARKS.md, 2026-12-01 b, and again with the layers
-    unrolled, 2026-12-02 e: 21 vs 15 us a layer at B 64.)"""
+    """Launch knobs: block_k gathered rows per loop step; num_warps / num_stages: Triton;
+    target_programs: the grid aimed at when cutting the entries into chunks."""
 
     block_k: int = 64
     num_warps: int = 4
     num_stages: int = 2
     target_programs: int = 528
-    # whole-pair programs only: walk the list and the tail in one loop (`merged_plan`).
-    # Off: measured level at B 64 (16.5 vs 16.3 us), 5 % faster at B 128 (24.7 vs 25.9),
-    # ~1 % of a round (BENCHMARKS.md 2026-12-06 d); not run end to end.
-    merge_tail: bool = False
-    # `sparse_step`: write the new token's K/V after the walk instead of before it.
-    # Off: measured level at B 64 and 128 (2026-12-06 d).
-    write_last: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
 class StepBlocks:
-    """Tuning knobs of `sparse_step`: from `whole_from` (sequence, KV head) pairs on, one
-    program per pair walks its whole list and tail and normalises in the kernel (`whole`
-    blocks; no combine pass); below it the entries are split across programs (`split`)."""
+    """`sparse_step`'s launch: from `whole_from` (sequence, KV head) pairs on, one program
+    a pair walks its whole list and tail and normalises in the kernel (`whole` tiles, no
+    combine pass); below it the entries are split across programs (`split` tiles), their
+    chunks combined by one Pallas kernel from `combine_from` pairs on, else by XLA. The
+    `_wide` tiles serve head dims above 64. Each default is the fastest of those measured."""
 
     split: SparseBlocks = SparseBlocks()
-    # 64-row blocks on two warps: 14.7 / 20.7 us a layer at B 64 / 128 against 15.9 / 23.1
-    # for 128 rows on four (BENCHMARKS.md, 2026-12-02 e)
     whole: SparseBlocks = SparseBlocks(block_k=64, num_warps=2, num_stages=3)
     whole_from: int = 128
-    # below whole_from, from this many pairs on the chunks are combined by one Pallas
-    # kernel (`combine_step_splits`), below it by XLA's fusions. H200, one lease: SmolLM2
-    # B 16 (48 pairs) round 8.60 -> 8.19 ms; B 1 (3 pairs) 7.67 -> 7.77 ms, its draft
-    # step's wall longer although its kernels took less (BENCHMARKS.md, 2026-12-03 e)
     combine_from: int = 16
-    # head dims above 64: the split path's tiles, the ones measured at Qwen3-8B shapes (the
-    # 128-row, 3-stage tiles were measured at head dim 64 only)
     whole_wide: SparseBlocks = SparseBlocks()
-    # the split path at head dims above 64: 32-row blocks, 3 stages. Qwen3-8B shapes,
-    # 128K, a model's draft step (`benchmarks.kernel_profile --split-wide`): 1828 us of
-    # sparse steps against 2020 for the head-dim-64 tiles at B 4, 598 against 593 at B 1
-    # (8 warps, which the isolated `tune_sparse_step` chain preferred, measured 10 %
-    # slower in the model; BENCHMARKS.md, 2026-12-03 d)
     split_wide: SparseBlocks = SparseBlocks(block_k=32, num_warps=4, num_stages=3)
-
-
-STEP_BLOCKS = StepBlocks()  # read at call time (benchmarks.tune_sparse_step swaps it)
-
-
-def merged_plan(idx_ref, cnt_ref, ts_ref, il, bi, hi, qpos, *, block_k, n_idx, tail_len):
-    """The whole-pair walk with `merge_tail`: the list's cnt entries and then the tail's
-    as one run of entries in block_k blocks. The tail fills the list's last partial block,
-    and one loop (one pipeline fill and drain) walks both: at SmolLM2 B 64 a call costs
-    ~6 us fixed plus its bytes at ~2.7 TB/s, and the separate tail loop is part of the
-    fixed cost (BENCHMARKS.md, 2026-12-06 c). Returns (entries, positions(i) -> [block_k],
-    block 0's positions), all loads issued here: `sparse_step` calls it before its
-    prologue, so that their latency overlaps the prologue's."""
-    kr = jnp.arange(block_k, dtype=jnp.int32)
-    cnt = jnp.minimum(cnt_ref[il, bi, hi], n_idx)
-    t0 = ts_ref[bi]
-    total = cnt + jnp.clip(qpos - t0 + 1, 0, tail_len)  # + tail entries t0 .. q_pos
-
-    def positions(i):
-        e = i * block_k + kr
-        listed = pltr.load(idx_ref.at[il, bi, hi, pl.ds(i * block_k, block_k)],
-                           mask=e < cnt, other=0)
-        # past the tail, positions are clamped to the query's (one cached row)
-        return jnp.where(e < cnt, listed, jnp.minimum(t0 + e - cnt, qpos))
-
-    return total, positions, positions(0)
 
 
 def _chunk_attention(q_parts, k_ref, v_ref, idx_ref, cnt_ref, ts_ref, layer, il, bi, h, hi,
                      j, qpos, *, block_k, chunk, n_sel, n_idx, tail_len, s_len, scale,
-                     skip_qpos, one_program=False, live=None, plan=None):
+                     skip_qpos, one_program=False, live=None):
     """Online softmax of program j's chunk (selected entries or tail) for one (sequence,
     KV head). q_parts: ((q [rows, w], last-axis slice of the cache rows it multiplies),
     ...): the logits are the sum of their dots (RoPE's two halves, or the whole row).
     With `skip_qpos`, entries at the query's own position are left out and counted: its
     K/V is written by this very call, so the caller adds it from registers.
-    `one_program`: this program covers the whole list and then the whole tail; given
-    `plan` (`merged_plan`'s result, `SparseBlocks.merge_tail`), both in one loop.
+    `one_program`: this program covers the whole list and then the whole tail.
     `live` (traced bool or None): False walks no entry (a padding row's program).
     Returns (o [rows, d], m [rows], l [rows], hits)."""
     rows = q_parts[0][0].shape[0]
@@ -207,10 +159,9 @@ def _chunk_attention(q_parts, k_ref, v_ref, idx_ref, cnt_ref, ts_ref, layer, il,
         o = o * corr[:, None] + dot(p.astype(v.dtype), v)
         return o, m_new, l, hits
 
-    def walk(nblk, pos_of, ok_of, carry, first=None):
+    def walk(nblk, pos_of, ok_of, carry):
         """Blocks 0..nblk-1 with positions pos_of(i) and validity ok_of(i). Positions are
-        loaded one block ahead: their latency overlaps this block's gathers. first: the
-        positions of block 0, when already loaded."""
+        loaded one block ahead: their latency overlaps this block's gathers."""
         if live is not None:
             nblk = jnp.where(live, nblk, 0)
 
@@ -219,8 +170,7 @@ def _chunk_attention(q_parts, k_ref, v_ref, idx_ref, cnt_ref, ts_ref, layer, il,
             nxt = pos_of(i + 1)
             return (*update(pos, ok_of(i), gather(pos), c), nxt)
 
-        first = pos_of(0) if first is None else first
-        *carry, _ = lax.fori_loop(0, nblk, body, (*carry, first))
+        *carry, _ = lax.fori_loop(0, nblk, body, (*carry, pos_of(0)))
         return tuple(carry)
 
     carry0 = (jnp.zeros((rows, d), jnp.float32), jnp.full((rows,), NEG, jnp.float32),
@@ -248,10 +198,6 @@ def _chunk_attention(q_parts, k_ref, v_ref, idx_ref, cnt_ref, ts_ref, layer, il,
         return walk(nblk, lambda i: jnp.minimum(t0 + e0 + i * tail_bk + tr, qpos),
                     lambda i: e0 + i * tail_bk + tr < n_valid, carry)
 
-    if one_program and plan is not None:
-        total, positions, first = plan
-        return walk(pl.cdiv(total, block_k), positions, lambda i: i * block_k + kr < total,
-                    carry0, first)
     if one_program:
         return tail(selected(carry0)) if tail_len > 0 else selected(carry0)
     if tail_len > 0:
@@ -401,7 +347,7 @@ def _rope(x1, x2, cos, sin):
 
 
 def _step_kernel(layer_ref, il, qkv_ref, *refs, per_head, g, kh, qk_norm, eps, normalize,
-                 hidden, write_last, merge_tail, **kw):
+                 hidden, **kw):
     # layer_ref [1]; il the index layer; qkv_ref [b, n + 2k, d] (raw projection: q heads |
     # k heads | v heads); x_ref [b, hidden] (the layer's input, when `hidden`: qkv is then
     # its projection before the RMS norm's row scale, applied here);
@@ -426,10 +372,6 @@ def _step_kernel(layer_ref, il, qkv_ref, *refs, per_head, g, kh, qk_norm, eps, n
     hi = h if per_head else jnp.int32(0)
     layer = layer_ref[0]
     qpos = qp_ref[bi]
-    plan = None
-    if normalize and merge_tail:  # the walk's first loads before the prologue's
-        plan = merged_plan(idx_ref, cnt_ref, ts_ref, il, bi, hi, qpos, block_k=kw["block_k"],
-                           n_idx=kw["n_idx"], tail_len=kw["tail_len"])
     d = qkv_ref.shape[-1]
     half = d // 2
     lo, up = pl.ds(0, half), pl.ds(half, half)
@@ -454,26 +396,20 @@ def _step_kernel(layer_ref, il, qkv_ref, *refs, per_head, g, kh, qk_norm, eps, n
     q = _rope(*q, cos, sin)
     k = _rope(*k, cos, sin)
 
-    def write():
-        @pl.when((j == 0) & (qpos < kw["s_len"]) & live)
-        def _write():
-            ko_ref[layer, bi, h, pl.ds(qpos, 1), lo] = k[0]
-            ko_ref[layer, bi, h, pl.ds(qpos, 1), up] = k[1]
-            vo_ref[layer, bi, h, pl.ds(qpos, 1), :] = v
+    # the new token's K/V into the cache; the walk never reads that row (its own entry
+    # comes from registers)
+    @pl.when((j == 0) & (qpos < kw["s_len"]) & live)
+    def _write():
+        ko_ref[layer, bi, h, pl.ds(qpos, 1), lo] = k[0]  # [1, d/2]
+        ko_ref[layer, bi, h, pl.ds(qpos, 1), up] = k[1]
+        vo_ref[layer, bi, h, pl.ds(qpos, 1), :] = v  # [1, d]
 
-    # The walk never reads the row it writes (the query's own entry comes from
-    # registers), so the write may come last: then no branch stands between the
-    # prologue's loads and the walk's first position and gather loads.
-    if not write_last:
-        write()
-    # keys gathered as two half rows, each dotted with its RoPE half of the query (one
-    # whole-row load with the halves placed side by side measured no faster: BENCHMARKS.md,
-    # 2026-12-02 d)
+    # keys gathered as two half rows, each dotted with its RoPE half of the query (a
+    # whole-row load with the halves side by side was no faster)
     parts = ((q[0], lo), (q[1], up))
     o, m, l, hits = _chunk_attention(parts, k_ref, v_ref, idx_ref, cnt_ref,
                                      ts_ref, layer, il, bi, h, hi, j, qpos,
-                                     skip_qpos=True, one_program=normalize, live=live,
-                                     plan=plan, **kw)
+                                     skip_qpos=True, one_program=normalize, live=live, **kw)
     # the new token's own entry, as often as this chunk listed its position
     s_new = sum(jnp.sum(qp.astype(jnp.float32) * kp.astype(jnp.float32), axis=-1)
                 for qp, kp in zip(q, k)) * kw["scale"]  # [rows]
@@ -490,8 +426,6 @@ def _step_kernel(layer_ref, il, qkv_ref, *refs, per_head, g, kh, qk_norm, eps, n
         o_ref[...] = o
         m_ref[...] = m_new
         l_ref[...] = l
-    if write_last:
-        write()
 
 
 def rope_halves(cos, sin):
@@ -506,14 +440,8 @@ def scalar(x):
     return jnp.asarray(x, jnp.int32).reshape(1)
 
 
-# The split path's combine in one kernel. `combine_splits` + slice + cast runs in XLA as
-# three kernels a layer (two reduce fusions and the slice: ~5.8 us plus three launch gaps
-# at Qwen3-8B B 4); here one program per (sequence, KV head, d-block) loads all J chunks
-# at once (padded to a power of two, masked) and writes only the g real rows. The chunks
-# are loaded together, not walked: a serial chain of J dependent loads would cost more.
-# Same arithmetic as `combine_splits` (the padded chunks add exact zeros). H200: 2.4 us a
-# layer in Qwen3-8B B 4's draft step (kernel profile); alone (ncu) 3.2 us, launch-bound:
-# d-blocks 16 .. 128 and 1 .. 8 warps all came within ~0.5 us (1 warp on 128 columns: 7).
+# The split path's combine as one kernel (XLA's `combine_splits` + slice + cast are three):
+# a program per (sequence, KV head, d-block) loads all J chunks at once, not one by one.
 
 _COMBINE_ELEMS = 16384  # Jp * gp * db fp32 values of o held by one program
 
@@ -547,15 +475,12 @@ def _combine_kernel(o_ref, m_ref, l_ref, out_ref, *, n_chunks, g, jp, gp, db):
                mask=jnp.broadcast_to((jnp.arange(gp) < g)[:, None], (gp, db)))
 
 
-def combine_step_splits(o, m, l, g, out_dtype, *, interpret=False, block_d=None,
-                        num_warps=None):
+def combine_step_splits(o, m, l, g, out_dtype, *, interpret=False):
     """`combine_splits(o, m, l)[0][:, :, :g].astype(out_dtype)` in one Pallas (Triton)
     kernel. o [bq, k, J, rows, d] fp32 unnormalised, m, l [bq, k, J, rows] (empty chunks:
-    m = NEG, l = 0); rows >= g. block_d, num_warps: tuning overrides. Returns
-    [bq, k, g, d] in out_dtype."""
+    m = NEG, l = 0); rows >= g. Returns [bq, k, g, d] in out_dtype."""
     bq, kh, n_chunks, rows, d = o.shape
     jp, gp, db = _combine_blocks(n_chunks, g, d)
-    db = block_d or db
     assert g <= gp <= rows, (g, rows)  # rows = pow2_at_least(g) >= 16: the gp rows exist
     kernel = functools.partial(_combine_kernel, n_chunks=n_chunks, g=g, jp=jp, gp=gp, db=db)
     return pl.pallas_call(
@@ -564,7 +489,7 @@ def combine_step_splits(o, m, l, g, out_dtype, *, interpret=False, block_d=None,
         in_specs=[whole(o.shape), whole(m.shape), whole(l.shape)],
         out_specs=whole((bq, kh, g, d)),
         out_shape=jax.ShapeDtypeStruct((bq, kh, g, d), out_dtype),
-        compiler_params=pltr.CompilerParams(num_warps=num_warps or 4, num_stages=1),
+        compiler_params=pltr.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
         name="vegas_step_combine",
     )(o, m, l)
@@ -572,7 +497,7 @@ def combine_step_splits(o, m, l, g, out_dtype, *, interpret=False, block_d=None,
 
 def sparse_step(qkv, q_norm, k_norm, rope, k_cache, v_cache, layer, idx, count, tail_start,
                 q_pos, *, tail_len, num_heads, qk_norm=False, eps=1e-6, idx_layer=None,
-                x=None, interpret=False, blocks: StepBlocks | None = None):
+                x=None, interpret=False, blocks: StepBlocks = StepBlocks()):
     """One draft token's attention block for one layer, in one Pallas (Triton) call:
     `sparse_step_reference`'s semantics.
 
@@ -603,21 +528,18 @@ def sparse_step(qkv, q_norm, k_norm, rope, k_cache, v_cache, layer, idx, count, 
     n_rows = qkv.shape[-1] // d  # the kernel reads rows 0 .. num_heads + 2 kh - 1 only
     idx4, cnt3, idx_layer, per_head = _index_inputs(b, idx, count, idx_layer)
     n_idx = idx4.shape[-1]
-    step_blocks = blocks or STEP_BLOCKS
-    normalize = b * kh >= step_blocks.whole_from
+    normalize = b * kh >= blocks.whole_from
     if normalize:
-        blocks = step_blocks.whole if d <= 64 else step_blocks.whole_wide
+        tiles = blocks.whole if d <= 64 else blocks.whole_wide
     else:
-        blocks = step_blocks.split if d <= 64 else step_blocks.split_wide
-    bk, chunk, n_sel, n_prog = _chunking(b, kh, n_idx, tail_len, blocks, split=not normalize)
+        tiles = blocks.split if d <= 64 else blocks.split_wide
+    bk, chunk, n_sel, n_prog = _chunking(b, kh, n_idx, tail_len, tiles, split=not normalize)
     rows = pow2_at_least(g)
     half = d // 2
     kernel, scalars = _layer_inputs(functools.partial(
         _step_kernel, block_k=bk, chunk=chunk, n_sel=n_sel, n_idx=n_idx, tail_len=tail_len,
         s_len=s, scale=d**-0.5, per_head=per_head, g=g, kh=kh, qk_norm=qk_norm, eps=eps,
-        normalize=normalize, hidden=0 if x is None else x.shape[-1],
-        merge_tail=blocks.merge_tail, write_last=blocks.write_last),
-        layer, idx_layer)
+        normalize=normalize, hidden=0 if x is None else x.shape[-1]), layer, idx_layer)
     norms = [q_norm.astype(qkv.dtype), k_norm.astype(qkv.dtype)] if qk_norm else []
     xs = [] if x is None else [x]
     n_in = len(scalars) + 1 + len(xs) + len(norms) + 5  # index of k_cache: the caches come last
@@ -647,8 +569,8 @@ def sparse_step(qkv, q_norm, k_norm, rope, k_cache, v_cache, layer, idx, count, 
         out_specs=out_specs,
         out_shape=out_shape,
         input_output_aliases={n_in: n_out - 2, n_in + 1: n_out - 1},
-        compiler_params=pltr.CompilerParams(num_warps=blocks.num_warps,
-                                            num_stages=blocks.num_stages),
+        compiler_params=pltr.CompilerParams(num_warps=tiles.num_warps,
+                                            num_stages=tiles.num_stages),
         interpret=interpret,
         name="vegas_sparse_step",
     )(*scalars, qkv.reshape(bq, n_rows, d), *xs, *norms, rope.astype(jnp.float32),
@@ -657,7 +579,7 @@ def sparse_step(qkv, q_norm, k_norm, rope, k_cache, v_cache, layer, idx, count, 
     if normalize:
         out = res[0].reshape(bq, kh, g, d)
     else:
-        if b * kh >= step_blocks.combine_from:
+        if b * kh >= blocks.combine_from:
             out = combine_step_splits(*res[:3], g, qkv.dtype, interpret=interpret)
         else:
             out, _ = combine_splits(*res[:3])  # [bq, kh, rows, d]

@@ -1,15 +1,12 @@
-"""Top-k selection of key positions from the captured scores: [b, s] -> indices [b, k].
+"""Top-k selection of key positions from the captured scores: [..., s] -> indices [..., k].
 
-`lax.top_k` over 128K positions with k = 7 % sorts whole rows and is slow on the GPU
-(BENCHMARKS.md, "Selection"). `blockwise_topk` is exact up to ties: a per-block top-kb (small batched
-sorts) followed by a top-k over the candidates, with a check that no block could have held
-more than kb winners; if one could, it falls back to `lax.top_k` for the batch (lax.cond).
+A sort (`lax.top_k`) of whole rows is slow on the GPU; this is a threshold (radix) select:
+exact up to ties, no sort, one call for all layers and sequences.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -20,31 +17,8 @@ from jax.experimental.pallas import triton as pltr
 from pallas_kernels.common import pow2_at_least, whole
 
 
-def blockwise_topk(x, k, *, block=4096, oversample=2.0, fallback=True):
-    """x [b, s] float -> (values [b, k], indices [b, k] int32); exact up to ties."""
-    b, s = x.shape
-    if s <= block or k >= s // 2:
-        return lax.top_k(x, k)
-    nb = -(-s // block)
-    pad = nb * block - s
-    xp = jnp.pad(x, ((0, 0), (0, pad)), constant_values=-jnp.inf) if pad else x
-    kb = min(block, int(math.ceil(k / nb * oversample)) + 16)
-    if kb * nb < k:
-        kb = -(-k // nb)
-    v1, i1 = lax.top_k(xp.reshape(b, nb, block), kb)  # [b, nb, kb]
-    i1 = i1 + (jnp.arange(nb, dtype=i1.dtype) * block)[None, :, None]
-    v2, j2 = lax.top_k(v1.reshape(b, nb * kb), k)
-    idx = jnp.take_along_axis(i1.reshape(b, nb * kb), j2, axis=1)
-    if not fallback:
-        return v2, idx
-    # exact unless some block's smallest candidate beats the k-th value (then that block
-    # may hold more winners than kb); equal values are ties and acceptable.
-    missed = jnp.any(v1[:, :, -1] > v2[:, -1:])
-    return lax.cond(missed, lambda: tuple(lax.top_k(x, k)), lambda: (v2, idx.astype(jnp.int32)))
-
-
 # ---------------------------------------------------------------------------------------
-# Threshold (radix) select: exact top-k up to ties, no sort
+# Threshold (radix) select
 # ---------------------------------------------------------------------------------------
 #
 # 1. keys: the order-preserving uint32 image of the fp32 scores (total order, -inf and
@@ -65,19 +39,7 @@ def sortable_keys(x):
     return jnp.where((u >> 31) == 1, ~u, u | jnp.uint32(0x80000000))
 
 
-def _count_ge(key, thr, how):
-    """key [R, s] u32, thr [R, T] u32 -> [R, T] int32 counts of key >= thr."""
-    if how == "sep":  # T sibling reductions over the same input (one multi-output fusion)
-        return jnp.stack([jnp.sum(key >= thr[:, i:i + 1], axis=1, dtype=jnp.int32)
-                          for i in range(thr.shape[1])], axis=1)
-    if how == "minor":  # [R, T, s] reduced over the minor axis
-        return jnp.sum(key[:, None, :] >= thr[:, :, None], axis=2, dtype=jnp.int32)
-    if how == "major":  # [R, s, T] reduced over the middle axis
-        return jnp.sum(key[:, :, None] >= thr[:, None, :], axis=1, dtype=jnp.int32)
-    raise ValueError(how)
-
-
-def kth_largest_key(key, k, *, radix_bits=2, count_impl="sep"):
+def kth_largest_key(key, k, *, radix_bits=2):
     """key [R, s] uint32 -> [R] uint32, the k-th largest key of each row (1 <= k <= s; an
     int, or [R, 1] per row)."""
     if 32 % radix_bits:
@@ -88,23 +50,22 @@ def kth_largest_key(key, k, *, radix_bits=2, count_impl="sep"):
     for p in range(32 // radix_bits):
         shift = 32 - radix_bits * (p + 1)
         thr = prefix[:, None] + (js[None, :] << jnp.uint32(shift))  # [R, ncand]
-        cnt = _count_ge(key, thr, count_impl)
+        # ncand sibling reductions over the same input (one multi-output fusion)
+        cnt = jnp.stack([jnp.sum(key >= thr[:, i:i + 1], axis=1, dtype=jnp.int32)
+                         for i in range(ncand)], axis=1)  # [R, ncand]
         nj = jnp.sum(cnt >= k, axis=1, dtype=jnp.int32)  # counts fall as j grows
         prefix = prefix + (nj.astype(jnp.uint32) << jnp.uint32(shift))
     return prefix
 
 
-# The threshold as one Pallas (Triton) kernel: a program holds a row chunk in registers
-# and runs all 32 / radix_bits count passes over it, so the scores are read once, not once
-# a pass (16 passes over [L, b, s] fp32 in XLA: ~250 us a SmolLM2 round at B 64, H200).
+# The select as one Pallas (Triton) kernel: a program holds its rows in registers, so all
+# count passes and the compaction read the scores once.
 # Triton compares signed: keys are the int32 image of the order (`_signed_keys`), and a
 # threshold built as unsigned bits u compares as u ^ INT_MIN.
 
 _INT_MIN = -(2**31)
-# Longest row the kernel serves in `select_topk_fast`: one register-resident chunk. Longer
-# rows would be re-read chunk by chunk in every pass by one program a row (few rows at long
-# context: Qwen3-8B B 4 at 128K has 144), serially; not measured, so XLA's passes, which
-# spread each pass over the whole GPU, keep those.
+# Longest row the kernel serves: one register-resident chunk. Longer rows take XLA's
+# passes, which spread each pass over the whole GPU.
 PALLAS_MAX_KEYS = 16384
 
 
@@ -120,57 +81,36 @@ def _signed_keys(x):
 
 
 def _row_keys(x_ref, r0, rb, chunk, n_rows, s_len):
-    """keys(c): the [rb, chunk] signed keys of rows r0.. in column chunk c; padding and
-    absent rows at the bottom of the order (INT_MIN)."""
+    """The [rb, chunk] signed keys of rows r0.. (one chunk a row); padding and absent rows
+    at the bottom of the order (INT_MIN)."""
     rows = r0 + jnp.arange(rb, dtype=jnp.int32)
-
-    def keys(c):
-        cols = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
-        ok = (rows < n_rows)[:, None] & (cols < s_len)[None, :]
-        x = pltr.load(x_ref.at[pl.ds(r0, rb), pl.ds(c * chunk, chunk)], mask=ok, other=0.0)
-        return jnp.where(ok, _signed_keys(x), jnp.int32(_INT_MIN))
-
-    return keys
+    cols = jnp.arange(chunk, dtype=jnp.int32)
+    ok = (rows < n_rows)[:, None] & (cols < s_len)[None, :]
+    x = pltr.load(x_ref.at[pl.ds(r0, rb), pl.ds(0, chunk)], mask=ok, other=0.0)
+    return jnp.where(ok, _signed_keys(x), jnp.int32(_INT_MIN))  # [rb, chunk]
 
 
-def _kth_passes(keys, want, nchunks, radix_bits, resident=None):
-    """The k-th largest key of each row (unsigned bits in int32, [rb]) by 32 / radix_bits
-    count passes over the rows: held in registers (`resident`) or re-read chunk by chunk."""
+def _kth_resident(key, want, radix_bits):
+    """The k-th largest key of each row held in registers (key [rb, chunk] signed, want
+    [rb]) by all 32 / radix_bits count passes; returns unsigned bits in int32 [rb]."""
     ncand = (1 << radix_bits) - 1
     prefix = jnp.zeros(want.shape, jnp.int32)
     for p in range(32 // radix_bits):
         shift = 32 - radix_bits * (p + 1)
         thr = [(prefix + jnp.int32(_wrap32(j << shift))) ^ jnp.int32(_INT_MIN)
                for j in range(1, ncand + 1)]  # [rb] each, signed-compare form
-
-        def count(key, thr=thr):
-            return [jnp.sum((key >= t[:, None]).astype(jnp.int32), axis=1) for t in thr]
-
-        if resident is not None:
-            cnt = count(resident)
-        else:
-            cnt = lax.fori_loop(0, nchunks, lambda c, acc: [a + n for a, n in
-                                                          zip(acc, count(keys(c)))],
-                                [jnp.zeros(want.shape, jnp.int32)] * ncand)
+        cnt = [jnp.sum((key >= t[:, None]).astype(jnp.int32), axis=1) for t in thr]
         nj = sum((c >= want).astype(jnp.int32) for c in cnt)  # counts fall as j grows
         prefix = prefix + lax.shift_left(nj, jnp.int32(shift))
     return prefix
 
 
-def _kth_kernel(x_ref, k_ref, o_ref, *, n_rows, s_len, rb, chunk, radix_bits):
-    # x_ref [R, s] fp32 (whole); k_ref [rb] int32; o_ref [rb] int32 (unsigned bits)
-    keys = _row_keys(x_ref, pl.program_id(0) * rb, rb, chunk, n_rows, s_len)
-    nchunks = -(-s_len // chunk)
-    resident = keys(0) if nchunks == 1 else None
-    o_ref[...] = _kth_passes(keys, k_ref[...], nchunks, radix_bits, resident)
-
-
 def _kth_resident_early(key, want, radix_bits):
-    """`_kth_passes` over rows held in registers, stopping as soon as every row's prefix
-    holds exactly `want` keys at or above it (the k-th and the next key then differ in the
-    digits seen: scores near a 7 % cut usually part within ~20 of the 32 bits, so about
-    10 of the 16 passes run); then the k-th largest is the smallest key at or above the
-    prefix, one min-reduction. key [rb, chunk] signed, want [rb]; returns the signed key."""
+    """`_kth_resident`, stopping as soon as every row's prefix holds exactly `want` keys
+    at or above it (the k-th and the next key then differ in the digits seen, which usually
+    happens well before the last pass); then the k-th largest is the smallest key at or
+    above the prefix, one min-reduction. key [rb, chunk] signed, want [rb]; returns the
+    signed key."""
     ncand = (1 << radix_bits) - 1
     npass = 32 // radix_bits
     rb, chunk = key.shape
@@ -210,7 +150,7 @@ def select_resident(key, want, rows, n_rows, kmax, o_ref, radix_bits, early=Fals
     if early:
         t = _kth_resident_early(key, want, radix_bits)
     else:
-        t = _kth_passes(None, want, 1, radix_bits, key) ^ jnp.int32(_INT_MIN)  # signed form
+        t = _kth_resident(key, want, radix_bits) ^ jnp.int32(_INT_MIN)  # signed form
     gt = key > t[:, None]
     eq = key == t[:, None]
     # ties at the threshold: the first `need` of them by position
@@ -237,34 +177,9 @@ def _select_kernel(x_ref, k_ref, o_ref, *, n_rows, s_len, rb, chunk, radix_bits,
     x_ref [R, s] fp32 (whole); k_ref [rb] int32 (1 <= want <= kmax); o_ref [R * kmax +
     rb * chunk] int32 (whole), as `select_resident`."""
     r0 = pl.program_id(0) * rb
-    key = _row_keys(x_ref, r0, rb, chunk, n_rows, s_len)(0)  # [rb, chunk]
+    key = _row_keys(x_ref, r0, rb, chunk, n_rows, s_len)  # [rb, chunk]
     select_resident(key, k_ref[...], r0 + jnp.arange(rb, dtype=jnp.int32), n_rows, kmax,
                     o_ref, radix_bits)
-
-
-def kth_largest_key_pallas(x, k, *, radix_bits=2, tile=8192, num_warps=8, interpret=False):
-    """`kth_largest_key(sortable_keys(x), k)` in one kernel: x [R, s] fp32 scores, k [R]
-    int32 (1 <= k <= s) -> [R] uint32. tile: elements a program holds (rows x chunk; rows
-    longer than a tile are re-read in chunks each pass)."""
-    r, s = x.shape
-    chunk = min(pow2_at_least(s), pow2_at_least(tile))
-    rb = max(1, tile // chunk)
-    rb = min(rb, pow2_at_least(r, lo=1))
-    nprog = -(-r // rb)
-    want = jnp.pad(jnp.broadcast_to(k, (r,)).astype(jnp.int32), (0, nprog * rb - r),
-                   constant_values=1)
-    out = pl.pallas_call(
-        functools.partial(_kth_kernel, n_rows=r, s_len=s, rb=rb, chunk=chunk,
-                          radix_bits=radix_bits),
-        grid=(nprog,),
-        in_specs=[whole(x.shape), pl.BlockSpec((rb,), lambda i: (i,))],
-        out_specs=pl.BlockSpec((rb,), lambda i: (i,)),
-        out_shape=jax.ShapeDtypeStruct((nprog * rb,), jnp.int32),
-        compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=1),
-        interpret=interpret,
-        name="vegas_kth_largest",
-    )(x.astype(jnp.float32), want)
-    return lax.bitcast_convert_type(out[:r], jnp.uint32)
 
 
 def select_topk_pallas(x, k, kmax, *, radix_bits=2, tile=8192, num_warps=8, interpret=False):
@@ -306,8 +221,11 @@ def _block_prefix(v, block):
     return p
 
 
-def select_topk_fast(scores, k, *, counts=None, radix_bits=2, count_impl="sep", block=128,
-                     threshold="xla", interpret=False):
+_BLOCK = 128  # the compaction's prefix block (in-block counts < 256: see below)
+
+
+def select_topk_fast(scores, k, *, counts=None, radix_bits=2, threshold="xla",
+                     interpret=False):
     """Indices of the k largest scores along the last axis: scores [..., s] (fp32; -inf for
     masked positions) -> int32 [..., k], exact up to ties (ties broken by lower position,
     like `lax.top_k`); the order inside the set is by position, not by score. Rows with
@@ -316,13 +234,10 @@ def select_topk_fast(scores, k, *, counts=None, radix_bits=2, count_impl="sep", 
     in its first counts[r] slots; the slots after them hold position 0 (a valid sentinel
     for a reader that stops at the count).
     One call serves all layers and sequences at once: scores [L, b, s] -> [L, b, k].
-    Defaults from the H200 run 3 (BENCHMARKS.md): radix_bits=2 (16 count passes of 3
-    thresholds) with sibling reductions beat 4 bits and the broadcast forms.
-    threshold: the k-th largest key by XLA count passes ("xla") or by one Pallas kernel
-    that reads the scores once ("pallas", `kth_largest_key_pallas`; GPU or interpret;
-    rows of at most PALLAS_MAX_KEYS, XLA's passes beyond), or the threshold and the
-    compaction in one kernel ("fused", `select_topk_pallas`; the same rows, "pallas"
-    beyond)."""
+    radix_bits: bits a count pass settles (2, 16 passes of 3 thresholds: the fastest).
+    threshold: "xla" (count passes and compaction in XLA) or "fused" (threshold and
+    compaction in one Pallas kernel, `select_topk_pallas`, for rows of at most
+    PALLAS_MAX_KEYS; longer rows take the XLA path)."""
     *lead, s = scores.shape
     k = int(k)
     if not 1 <= k <= s:
@@ -331,23 +246,18 @@ def select_topk_fast(scores, k, *, counts=None, radix_bits=2, count_impl="sep", 
     r = x.shape[0]
     want = (jnp.full((r,), k, jnp.int32) if counts is None
             else jnp.broadcast_to(counts, tuple(lead)).reshape(r).astype(jnp.int32))
-    if threshold not in ("xla", "pallas", "fused"):
-        raise ValueError(f"threshold must be 'xla', 'pallas' or 'fused', got {threshold!r}")
+    if threshold not in ("xla", "fused"):
+        raise ValueError(f"threshold must be 'xla' or 'fused', got {threshold!r}")
     if threshold == "fused" and s <= PALLAS_MAX_KEYS:
         return select_topk_pallas(x, want, k, radix_bits=radix_bits, interpret=interpret,
                                   tile=max(8192, pow2_at_least(s))).reshape(*lead, k)
-    if threshold == "fused":
-        threshold = "pallas"
-    key = sortable_keys(x)
-    if threshold == "pallas" and s <= PALLAS_MAX_KEYS:
-        t = kth_largest_key_pallas(x, want, radix_bits=radix_bits, interpret=interpret,
-                                   tile=max(8192, pow2_at_least(s)))
-    else:
-        t = kth_largest_key(key, want[:, None], radix_bits=radix_bits, count_impl=count_impl)
+    key = sortable_keys(x)  # [r, s]
+    t = kth_largest_key(key, want[:, None], radix_bits=radix_bits)
     t = t[:, None]
     gt = key > t
     eq = key == t
     need = want - jnp.sum(gt, axis=1, dtype=jnp.int32)  # >= 1 ties to take, by position
+    block = _BLOCK
     pad = (-s) % block
     # one matmul for both prefixes: gt + 256 * eq (in-block counts <= 128 < 256)
     v = gt.astype(jnp.float32) + 256.0 * eq.astype(jnp.float32)

@@ -7,8 +7,7 @@ chosen query rows only, averaged over all query heads of the layer.
 Shapes: q [b, t, k, g, d]; cache k/v [L, b, k, s, d] (the full stacked cache plus a layer
 index, so no per-layer slab is copied); q_pos [b, t] (row t sees keys s <= q_pos[b, t]).
 Scores: [b, s] fp32 for capture="mean" (mean over heads and capture rows), [b, r, s] for
-capture="rows" (mean over heads, one per capture row), [b, k, s] for capture="heads" (mean
-over capture rows and each KV head's query heads: a selection per KV head).
+capture="rows" (mean over heads, one per capture row).
 
 gpt-oss extras: window (an int32 scalar, may be traced; 0 = none): row t sees only keys
 q_pos - window < s <= q_pos; sinks [k, g] fp32: one more logit per query head in the
@@ -34,7 +33,7 @@ from pallas_kernels.common import (
     wave_splits, whole, with_sinks,
 )
 
-CAPTURE_MODES = ("none", "mean", "rows", "heads")
+CAPTURE_MODES = ("none", "mean", "rows")
 SCORE_KINDS = ("weight", "logit")
 
 
@@ -46,15 +45,13 @@ def _check_modes(capture, score):
 
 
 def _scores_from_logits(logits, lse, valid, rows, score, capture):
-    """logits [b, k, g, t, s] fp32 masked with -inf, lse [b, k, g, t]."""
+    """logits [b, k, g, t, s] fp32 masked with -inf, lse [b, k, g, t] -> the scores."""
     sel = logits[:, :, :, list(rows), :]  # [b, k, g, r, s]
     vis = valid[:, :, :, list(rows), :]
     if score == "weight":
         per = jnp.exp(sel - lse[:, :, :, list(rows), None])
     else:
         per = jnp.where(vis, sel, 0.0)
-    if capture == "heads":
-        return per.mean(axis=(2, 3))  # [b, k, s]
     per = per.mean(axis=(1, 2))  # [b, r, s]
     return per.mean(axis=1) if capture == "mean" else per
 
@@ -121,9 +118,10 @@ def verify_attention_reference(
 # exp, and the XLA side converts.
 #
 # Score capture: the capture tokens are permuted to the front, so their rows are the first
-# `n_cap` rows overall; the kernel stores their raw scaled logits (fp16 by default) with a
-# masked store into a side buffer, and the XLA epilogue turns them into weights with the
-# combined LSE -- no second pass over K.
+# `n_cap` rows overall. score="weight": the kernel stores their raw scaled logits (fp16 by
+# default) from the main product's tile with a masked store into a side buffer, and
+# `capture_scores` turns them into weights with the combined LSE (no second pass over K).
+# score="logit" (linear in the logits): the kernel sums the capture rows' logits itself.
 #
 # Verify / decode (t * g <= max_rows): one query block, split-K over the cache.
 # Prefill (t * g > max_rows): many query blocks of `row_block` rows, causal block skipping,
@@ -136,19 +134,16 @@ _LN2 = 0.6931471805599453
 
 @dataclasses.dataclass(frozen=True)
 class VerifyBlocks:
-    """Tuning knobs. block_k: keys per loop step (None: 128 for verify / decode, 64 for
-    prefill and for verify / decode of wide heads over fewer than 128 (sequence, KV head)
-    pairs, from the H200 sweeps in BENCHMARKS.md); num_warps / num_stages: Triton (None:
-    4 warps up to 64 rows per program, else 8; 3 stages for verify / decode, else 2);
-    max_rows: largest t * g handled as one query block; row_block: rows per program in
-    prefill; target_programs: grid size aimed at when choosing the number of key splits;
-    min_split: shortest key split; cap_dtype: dtype of the captured logits (score="weight");
-    cap_from: where those logits come from, "own" (a small dot of the capture rows alone,
-    its [crow, block_k] tile stored) or "main" (the main [rows, block_k] product, stored
-    with rows >= n_cap masked: no second dot; H200, SmolLM2 B 128 verify with capture 245
-    -> 236 us a layer, level at Qwen3-8B heads; BENCHMARKS.md 2026-12-04 b);
-    waves: choose the split count by `wave_splits` (H200, SmolLM2 B 64 verify with capture:
-    165 -> 145 us a layer; `benchmarks.tune_verify`, BENCHMARKS.md 2026-12-01 c)."""
+    """Launch knobs; None picks per shape in `verify_attention`. The defaults are the
+    fastest of the plans measured.
+
+    block_k: keys per loop step (None: 128 for verify / decode, 64 for prefill and for
+    wide heads over fewer than 128 (sequence, KV head) pairs); num_warps (None: 4 up to
+    64 rows a program, else 8); num_stages (None: 3 for verify / decode, else 2); max_rows:
+    largest t * g run as one query block; row_block: rows a program in prefill;
+    target_programs: the grid aimed at when choosing key splits; min_split: shortest key
+    split; cap_dtype: dtype of the captured logits; waves: choose the split count by
+    `wave_splits` (more splits, up to 1.5x, where they fill the grid's last wave)."""
 
     block_k: int | None = None
     num_warps: int | None = None
@@ -158,15 +153,7 @@ class VerifyBlocks:
     target_programs: int = 528
     min_split: int = 512
     cap_dtype: Any = jnp.float16
-    cap_from: str = "main"
-    waves: bool = True  # more splits (up to 1.5x) where they fill the grid's last wave
-
-    def __post_init__(self):
-        if self.cap_from not in ("own", "main"):
-            raise ValueError(f"cap_from must be 'own' or 'main', got {self.cap_from!r}")
-
-
-VERIFY_BLOCKS = VerifyBlocks()  # read at call time (benchmarks.kernel_profile swaps it)
+    waves: bool = True
 
 
 def _verify_kernel(layer_ref, *refs, block_k, split_len, s_len, scale, rows, kh, normalize,
@@ -178,23 +165,19 @@ def _verify_kernel(layer_ref, *refs, block_k, split_len, s_len, scale, rows, kh,
     any of its rows sees.
 
     cap (static) describes the score capture or is None:
-      ("logits", n_cap, crow): store the raw scaled logits of the n_cap capture rows
-        (token-major: row = u * g + head) into a [b * kh * n_cap (+ crow spare), s_pad]
-        buffer at rows (b * kh + h) * n_cap + r: one contiguous [crow, block_k] window per
-        program and key block, rows >= n_cap masked;
-      ("main", n_cap, rows): as "logits", but the stored tile is the main product's
-        [rows, block_k] (rows >= n_cap masked; `rows` spare rows), with no capture inputs;
-      ("sum", n_cap, crow, weights): reduce in-kernel over the capture rows (raw logits,
-        masked to each row's causal range) into len(weights) vectors per program, vector i
-        weighting capture row r by weights[i][r]; buffer [b * kh * n_out, s_pad].
-    The capture rows get their own small product (a [crow, d] x [d, block_k] dot), so the
-    store covers only them instead of the whole accumulator tile.
-    stacked (static; "logits" / "main"): the buffer holds every layer's rows, this
-    layer's from row layer * b * kh * n_cap on (`capture_buffer`), and comes in as an
-    input aliased to the output (its ref, before o_ref, is not used)."""
+      ("main", n_cap, rows): store the main product's [rows, block_k] tile of raw scaled
+        logits (rows >= n_cap masked) into a [b * kh * n_cap + rows, s_pad] buffer at rows
+        (b * kh + h) * n_cap + r (`rows` spare rows keep the last window inside);
+      ("sum", n_cap, crow, weights): a small [crow, d] x [d, block_k] dot of the capture
+        rows alone, their raw logits masked to each row's causal range and reduced into
+        len(weights) vectors a program, vector i weighting capture row r by weights[i][r];
+        buffer [b * kh * n_out, s_pad].
+    stacked (static; "main"): the buffer holds every layer's rows, this layer's from row
+    layer * b * kh * n_cap on (`capture_buffer`), and comes in as an input aliased to the
+    output (its ref, before o_ref, is not used)."""
     # layer_ref [1]; (win_ref [1]); q_ref [rows, d]; rowpos_ref [rows] (-1 = padding row);
-    # k_ref, v_ref [L, b, k, s, d]; with cap: qc_ref [crow, d], rpc_ref [crow];
-    # o_ref [rows, d], m_ref, l_ref [rows]; cap_ref [b * k * n_cap + crow, s_pad] ("logits")
+    # k_ref, v_ref [L, b, k, s, d]; with "sum": qc_ref [crow, d], rpc_ref [crow];
+    # o_ref [rows, d], m_ref, l_ref [rows]; cap_ref [b * k * n_cap + rows, s_pad] ("main")
     # or [b * k * n_out, s_pad] ("sum")
     win_ref, refs = (refs[0], refs[1:]) if windowed else (None, refs)
     q_ref, rowpos_ref, k_ref, v_ref, *refs = refs
@@ -235,7 +218,7 @@ def _verify_kernel(layer_ref, *refs, block_k, split_len, s_len, scale, rows, kh,
         n_cap = cap[1]
         rr = jnp.arange(rows, dtype=jnp.int32)
 
-        def capture_main(qk, k0):
+        def capture_main(qk, k0):  # qk [rows, block_k]
             val = jnp.clip(qk, -_LOGIT_CLIP, _LOGIT_CLIP).astype(cap_ref.dtype)
             pltr.store(cap_ref.at[pl.ds(cap_row0, rows), pl.ds(k0, block_k)],
                        val, mask=(rr < n_cap)[:, None])
@@ -245,26 +228,21 @@ def _verify_kernel(layer_ref, *refs, block_k, split_len, s_len, scale, rows, kh,
         n_cap, crow = cap[1], cap[2]
         rc = jnp.arange(crow, dtype=jnp.int32)
 
-    def capture(k, k0, kidx):
+    def capture_sum(k, k0, kidx):  # k [block_k, d], kidx [block_k]
         qk = dot(qc, k, trans_b=True) * scale  # [crow, block_k] fp32
-        if cap[0] == "logits":
-            val = jnp.clip(qk, -_LOGIT_CLIP, _LOGIT_CLIP).astype(cap_ref.dtype)
-            pltr.store(cap_ref.at[pl.ds(cap_row0, crow), pl.ds(k0, block_k)],
-                       val, mask=(rc < n_cap)[:, None])
-        else:
-            seen = kidx[None, :] <= rpc[:, None]
-            if windowed:
-                seen &= kidx[None, :] > jnp.where(win > 0, rpc - win, -1)[:, None]
-            qk = jnp.where(seen, qk, 0.0)
-            weights = cap[3]
-            for i, wts in enumerate(weights):
-                w = jnp.zeros((crow,), jnp.float32)  # [crow]
-                for r, wr in enumerate(wts):
-                    if wr:
-                        w = jnp.where(rc == r, jnp.float32(wr), w)
-                vec = jnp.sum(qk * w[:, None], axis=0)  # [block_k]
-                pltr.store(cap_ref.at[(bi * kh + h) * len(weights) + i, pl.ds(k0, block_k)],
-                           vec)
+        seen = kidx[None, :] <= rpc[:, None]
+        if windowed:
+            seen &= kidx[None, :] > jnp.where(win > 0, rpc - win, -1)[:, None]
+        qk = jnp.where(seen, qk, 0.0)
+        weights = cap[3]
+        for i, wts in enumerate(weights):
+            w = jnp.zeros((crow,), jnp.float32)  # [crow]
+            for r, wr in enumerate(wts):
+                if wr:
+                    w = jnp.where(rc == r, jnp.float32(wr), w)
+            vec = jnp.sum(qk * w[:, None], axis=0)  # [block_k]
+            pltr.store(cap_ref.at[(bi * kh + h) * len(weights) + i, pl.ds(k0, block_k)],
+                       vec)
 
     def body(i, carry):
         o, m, l = carry
@@ -273,8 +251,8 @@ def _verify_kernel(layer_ref, *refs, block_k, split_len, s_len, scale, rows, kh,
         inb = kidx < s_len  # the last block may run past the cache
         k = pltr.load(k_ref.at[layer, bi, h, pl.ds(k0, block_k), :], mask=inb[:, None],
                       other=0.0)  # [block_k, d]
-        if cap is not None and cap[0] != "main":  # the capture rows: query block 0 only
-            pl.when(qb == 0)(lambda: capture(k, k0, kidx))
+        if cap is not None and cap[0] == "sum":  # the capture rows: query block 0 only
+            pl.when(qb == 0)(lambda: capture_sum(k, k0, kidx))
         qk = dot(q, k, trans_b=True) * scale  # [rows, block_k] fp32, log2 units
         if cap is not None and cap[0] == "main":
             pl.when(qb == 0)(lambda: capture_main(qk, k0))
@@ -306,9 +284,9 @@ def _verify_kernel(layer_ref, *refs, block_k, split_len, s_len, scale, rows, kh,
 def _verify_call(layer, qr, rowpos, k_cache, v_cache, *, rows, n_splits, split_len, blocks,
                  interpret, out_dtype, cap=None, qc=None, rpc=None, window=None,
                  cap_into=None):
-    """qr [b, kh, nqb*rows, d]; rowpos [b, nqb*rows]; with cap (see `_verify_kernel`) also
-    qc [b, kh, crow, d] (the capture rows) and rpc [b, crow] (their positions, -1 = pad);
-    window: an int32 scalar (0: none) or None (no window input). cap_into: a stacked
+    """qr [b, kh, nqb*rows, d]; rowpos [b, nqb*rows]; with a "sum" cap (`_verify_kernel`)
+    also qc [b, kh, crow, d] (the capture rows) and rpc [b, crow] (their positions, -1 =
+    pad); window: an int32 scalar (0: none) or None (no window input). cap_into: a stacked
     capture buffer (`capture_buffer`) the logits go into at `layer`, returned updated.
     blocks: resolved (block_k, num_warps, num_stages set). Returns o [b, kh, J, R, d],
     m, l [b, kh, J, R] (log2 units), cap buffer | None."""
@@ -344,7 +322,7 @@ def _verify_call(layer, qr, rowpos, k_cache, v_cache, *, rows, n_splits, split_l
     ]
     args = [*scalars, qr, rowpos, k_cache, v_cache]
     if cap is not None and cap[0] == "main":
-        shape = (b * kh * cap[1] + cap[2], s_pad)  # `rows` spare rows, as below
+        shape = (b * kh * cap[1] + cap[2], s_pad)  # `rows` spare rows (`_verify_kernel`)
         out_shape.append(jax.ShapeDtypeStruct(shape, blocks.cap_dtype))
         out_specs.append(whole(shape))
     elif cap is not None:
@@ -352,13 +330,8 @@ def _verify_call(layer, qr, rowpos, k_cache, v_cache, *, rows, n_splits, split_l
         in_specs += [pl.BlockSpec((None, None, crow, d), lambda bi, h, qb, j: (bi, h, 0, 0)),
                      pl.BlockSpec((None, crow), lambda bi, h, qb, j: (bi, 0))]
         args += [qc, rpc.astype(jnp.int32)]
-        if cap[0] == "logits":
-            # [b, kh, n_cap] rows, then `crow` spare rows that keep the last program's
-            # (masked) store window inside the buffer.
-            shape, dt = (b * kh * cap[1] + crow, s_pad), blocks.cap_dtype
-        else:
-            shape, dt = (b * kh * len(cap[3]), s_pad), jnp.float32
-        out_shape.append(jax.ShapeDtypeStruct(shape, dt))
+        shape = (b * kh * len(cap[3]), s_pad)
+        out_shape.append(jax.ShapeDtypeStruct(shape, jnp.float32))
         out_specs.append(whole(shape))
     aliases = {}
     if cap_into is not None:
@@ -391,15 +364,11 @@ def _verify_call(layer, qr, rowpos, k_cache, v_cache, *, rows, n_splits, split_l
 def _capture_weights(capture, kh, g, uniq, cap_list, mult):
     """[n_out, kh * n_cap] fp32: how each captured row (KV head k, unique capture row u,
     query head of the group; row (k * nu + u) * g + head) enters each output score vector:
-    "mean" one vector (every row), "rows" one per entry of cap_list, "heads" one per KV
-    head."""
+    "mean" one vector (every row), "rows" one per entry of cap_list."""
     nu = len(uniq)
-    r = np.arange(kh * nu * g)
-    k, u = r // (nu * g), (r // g) % nu
+    u = (np.arange(kh * nu * g) // g) % nu
     if capture == "mean":
         w = np.asarray(mult)[u][None, :] / (kh * g)
-    elif capture == "heads":
-        w = (k[None, :] == np.arange(kh)[:, None]) * np.asarray(mult)[u][None, :] / g
     else:
         w = (u[None, :] == np.array([uniq.index(c) for c in cap_list])[:, None]) / (kh * g)
     return w.astype(np.float32)
@@ -434,80 +403,48 @@ def capture_scores_reference(cbuf, lse, rowpos, w, s, rowlo=None):
 
 @dataclasses.dataclass(frozen=True)
 class CaptureBlocks:
-    """Tuning knobs of `capture_scores`: block_s key columns a step (cut so that a step's
-    [rows, block_s] fp32 tile stays within `tile` elements: every verify row captured
-    (`last`, 64 rows at gamma 6) at 512 columns asked Triton for 264 KB of shared memory),
-    cols: key columns a program walks in steps of block_s (None: one step; several steps
-    let Triton pipeline the loads, num_stages deep), num_warps, and how the rows reduce
-    into the output vectors: one small "dot" with the weight matrix (16 output rows
-    written, whatever n_out), or a masked "sum" per output vector (no tensor-core operands
-    in shared memory; writes only the n_out vectors). `benchmarks.tune_capture` times
-    them: on the H200 (SmolLM2 B 64, 7.7K, BENCHMARKS.md 2026-12-02) "sum" at 256 columns
-    took 33.6 us a layer against 60.4 for "dot" at 512, which wrote 16 output rows for
-    one; walking several steps a program measured slower."""
+    """`capture_scores`' launch: block_s key columns a program (cut so that its
+    [rows, block_s] fp32 tile stays within `tile` elements, which bounds its shared
+    memory), num_warps. The fastest of the plans measured."""
 
     block_s: int = 256
     tile: int = 16384
     num_warps: int = 4
-    reduce: str = "sum"
-    cols: int | None = None
-    num_stages: int = 1
-
-    def __post_init__(self):
-        if self.reduce not in ("dot", "sum"):
-            raise ValueError(f"reduce must be 'dot' or 'sum', got {self.reduce!r}")
 
 
 def _capture_scores_kernel(cbuf_ref, lse_ref, rp_ref, w_ref, *refs, r, n_out, block_s,
-                           steps, s_len, reduce, windowed=False):
+                           s_len, windowed=False):
     # cbuf_ref [b * r + spare, s_pad]; lse_ref, rp_ref [b, RP]; w_ref [NO, RP];
-    # (rl_ref [b, RP] when windowed: each row sees keys > rl);
-    # o_ref [NO, steps * block_s] ("dot") or [n_out, steps * block_s] ("sum")
+    # (rl_ref [b, RP] when windowed: each row sees keys > rl); o_ref [pow2(n_out), block_s]
     rl_ref, o_ref = refs if windowed else (None, refs[0])
     bi, sj = pl.program_id(0), pl.program_id(1)
     rp_n = lse_ref.shape[1]
     rows = jnp.arange(rp_n, dtype=jnp.int32)
     lse = lse_ref[bi, :]  # [RP]
     rp = rp_ref[bi, :]
-
-    def step(c, carry):
-        c0 = (sj * steps + c) * block_s
-        cols = c0 + jnp.arange(block_s, dtype=jnp.int32)
-        ok = (rows < r)[:, None] & (cols < s_len)[None, :]
-        logits = pltr.load(cbuf_ref.at[pl.ds(bi * r, rp_n), pl.ds(c0, block_s)],
-                           mask=ok, other=0.0).astype(jnp.float32)  # [RP, block_s]
-        vis = ok & (cols[None, :] <= rp[:, None])
-        if windowed:
-            vis &= cols[None, :] > rl_ref[bi, :][:, None]
-        p = jnp.where(vis, jnp.exp2(logits - lse[:, None]), 0.0)
-        if reduce == "dot":
-            o_ref[:, pl.ds(c * block_s, block_s)] = dot(w_ref[...], p)  # [NO, block_s]
-        else:
-            for i in range(n_out):  # rows past n_out are never read
-                o_ref[i, pl.ds(c * block_s, block_s)] = jnp.sum(p * w_ref[i, :][:, None],
-                                                                axis=0)
-        return carry
-
-    if steps == 1:
-        step(0, 0)
-    else:
-        lax.fori_loop(0, steps, step, 0)
+    c0 = sj * block_s
+    cols = c0 + jnp.arange(block_s, dtype=jnp.int32)  # [block_s]
+    ok = (rows < r)[:, None] & (cols < s_len)[None, :]
+    logits = pltr.load(cbuf_ref.at[pl.ds(bi * r, rp_n), pl.ds(c0, block_s)],
+                       mask=ok, other=0.0).astype(jnp.float32)  # [RP, block_s]
+    vis = ok & (cols[None, :] <= rp[:, None])
+    if windowed:
+        vis &= cols[None, :] > rl_ref[bi, :][:, None]
+    p = jnp.where(vis, jnp.exp2(logits - lse[:, None]), 0.0)
+    for i in range(n_out):  # a masked sum per output vector; rows past n_out are never read
+        o_ref[i, pl.ds(0, block_s)] = jnp.sum(p * w_ref[i, :][:, None], axis=0)
 
 
 def capture_scores(cbuf, lse, rowpos, w, s, rowlo=None, *,
                    blocks: CaptureBlocks = CaptureBlocks(), interpret=False):
     """`capture_scores_reference` as one Pallas (Triton) kernel a layer: programs over
-    (sequence, key range), each reads its rows' logits once. (In XLA the 30 layers'
-    epilogues were fused into one multi-output loop fusion with the reductions inlined:
-    1.1-1.4 ms a SmolLM2 round at B 64 on the H200; this kernel: 0.8 ms.)"""
+    (sequence, key range), each reads its rows' logits once."""
     b, r = lse.shape
     n_out = w.shape[0]
     rp_n, no = pow2_at_least(r), pow2_at_least(n_out)
     block_s = min(blocks.block_s, max(16, blocks.tile // rp_n), pow2_at_least(s))
-    steps = max(1, min((blocks.cols or block_s) // block_s, pl.cdiv(s, block_s)))
-    cols = steps * block_s
-    nsb = pl.cdiv(s, cols)
-    rows_out = no if blocks.reduce == "dot" else pow2_at_least(n_out, lo=1)
+    nsb = pl.cdiv(s, block_s)
+    rows_out = pow2_at_least(n_out, lo=1)
     lse_p = jnp.pad(lse.astype(jnp.float32), ((0, 0), (0, rp_n - r)))
     rp_p = jnp.pad(rowpos.astype(jnp.int32), ((0, 0), (0, rp_n - r)), constant_values=-1)
     w_p = jnp.pad(jnp.asarray(w, jnp.float32), ((0, no - n_out), (0, rp_n - r)))
@@ -515,15 +452,13 @@ def capture_scores(cbuf, lse, rowpos, w, s, rowlo=None, *,
         jnp.pad(rowlo.astype(jnp.int32), ((0, 0), (0, rp_n - r)), constant_values=-1)]
     out = pl.pallas_call(
         functools.partial(_capture_scores_kernel, r=r, n_out=n_out, block_s=block_s,
-                          steps=steps, s_len=s, reduce=blocks.reduce,
-                          windowed=rowlo is not None),
+                          s_len=s, windowed=rowlo is not None),
         grid=(b, nsb),
         in_specs=[whole(cbuf.shape), whole((b, rp_n)), whole((b, rp_n)), whole((no, rp_n)),
                   *[whole((b, rp_n))] * len(extra)],
-        out_specs=pl.BlockSpec((None, rows_out, cols), lambda bi, sj: (bi, 0, sj)),
-        out_shape=jax.ShapeDtypeStruct((b, rows_out, nsb * cols), jnp.float32),
-        compiler_params=pltr.CompilerParams(num_warps=blocks.num_warps,
-                                            num_stages=blocks.num_stages),
+        out_specs=pl.BlockSpec((None, rows_out, block_s), lambda bi, sj: (bi, 0, sj)),
+        out_shape=jax.ShapeDtypeStruct((b, rows_out, nsb * block_s), jnp.float32),
+        compiler_params=pltr.CompilerParams(num_warps=blocks.num_warps, num_stages=1),
         interpret=interpret,
         name="vegas_capture_scores",
     )(cbuf, lse_p, rp_p, w_p, *extra)
@@ -564,17 +499,16 @@ def _prefill_cudnn(q, k_cache, v_cache, layer):
 
 def verify_attention(
     q, k_cache, v_cache, layer, q_pos, *, capture="none", capture_rows=(0,), score="weight",
-    interpret=False, blocks: VerifyBlocks | None = None, prefill_impl="pallas",
-    epilogue="pallas", window=None, sinks=None, capture_into=None,
+    interpret=False, blocks: VerifyBlocks = VerifyBlocks(), prefill_impl="pallas",
+    window=None, sinks=None, capture_into=None,
 ):
     """Pallas (Triton) op with exactly `verify_attention_reference`'s semantics.
 
     Returns (out [b, t, k, g, d] in q.dtype, scores | None). prefill_impl: "pallas" |
     "cudnn", the latter only for prompts that start at position 0 (q_pos[b, i] == i).
-    epilogue: the softmax-weight capture's reduction as a Pallas kernel ("pallas") or in
-    XLA ("xla", `capture_scores_reference`). window: the kernel skips the key blocks
-    before its rows' windows and masks inside them; sinks join the LSE after the combine
-    (`with_sinks`), before the captured weights are taken from it.
+    window: the kernel skips the key blocks before its rows' windows and masks inside
+    them; sinks join the LSE after the combine (`with_sinks`), before the captured
+    weights are taken from it.
     capture_into: a stacked buffer (`capture_buffer`; capture "mean" of softmax weights,
     no window): the kernel stores the capture rows' logits into it at `layer` and the
     call returns (out, (buffer, offset [b, kh * n_cap])) instead of scores, offset = each
@@ -585,7 +519,6 @@ def verify_attention(
                                      or window is not None):
         raise ValueError("capture_into takes the mean of softmax weights, without a window "
                          f"(capture {capture!r}, score {score!r}, window {window})")
-    blocks = blocks or VERIFY_BLOCKS
     b, t, kh, g, d = q.shape
     s = k_cache.shape[3]
     cap_list = [int(r) % t for r in capture_rows] if capture != "none" else []
@@ -607,11 +540,8 @@ def verify_attention(
         return out, sc
 
     decode_like = t * g <= blocks.max_rows
-    # 64-key blocks for prefill, and for verify / decode at wide heads over few (sequence,
-    # KV head) pairs: two programs an SM instead of one. Qwen3-8B, 128K, a verify with
-    # capture: 18.97 against 20.98 ms at B 4 (32 pairs), level at B 1; decode 17.33
-    # against 18.12 ms at B 4; at B 16 32K (128 pairs) 128-key blocks stay (decode 17.07
-    # against 17.36 ms; BENCHMARKS.md, 2026-12-03 d)
+    # 64-key blocks for prefill, and for wide heads over few (sequence, KV head) pairs:
+    # two programs an SM instead of one fill the GPU
     few_wide = d > 64 and b * kh < 128
     bk = blocks.block_k or (128 if decode_like and not few_wide else 64)
     bk = min(bk, pow2_at_least(s))
@@ -621,8 +551,7 @@ def verify_attention(
     rows, tq, nqb, n_splits, split_len = _plan(
         b, kh, t, g, s, max_rows=blocks.max_rows, row_block=blocks.row_block,
         target_programs=blocks.target_programs, block_k=bk, min_split=blocks.min_split,
-        # measured at head dim 64 (two programs an SM): B 64 verify 165 -> 145 us a layer;
-        # at head dim 128 (one an SM) the wave-filling split count measured 3 % slower
+        # wave filling pays where two or more programs share an SM; at one it was slower
         resident=sm_count() * per_sm if blocks.waves and decode_like and per_sm > 1 else None)
     resolved = dataclasses.replace(
         blocks, block_k=bk, num_warps=blocks.num_warps or (4 if rows <= 64 else 8),
@@ -647,23 +576,19 @@ def verify_attention(
         raise NotImplementedError("capture rows must fit one query block")
     nu = len(uniq)
     cap = qc = rpc = None
-    if n_cap and score == "weight" and blocks.cap_from == "main":
+    if n_cap and score == "weight":  # needs the final LSE: store logits, finish after
         cap = ("main", n_cap, rows)  # the main tile's rows: no capture inputs
-    elif n_cap:
-        # a power-of-two row count for the capture dot
-        crow = pow2_at_least(n_cap)
+    elif n_cap:  # linear in the logits: reduce over heads (and rows) in the kernel
+        crow = pow2_at_least(n_cap)  # a power-of-two row count for the capture dot
         # qc [b, k, crow, d], rpc [b, crow]
         qc = jnp.pad(qr[:, :, :n_cap], ((0, 0), (0, 0), (0, crow - n_cap), (0, 0)))
         rpc = jnp.pad(rp[:, :n_cap], ((0, 0), (0, crow - n_cap)), constant_values=-1)
-        if score == "weight":  # needs the final LSE: store logits, finish in XLA
-            cap = ("logits", n_cap, crow)
-        else:  # linear in the logits: reduce over heads (and rows) in the kernel
-            if capture in ("mean", "heads"):
-                weights = (tuple(mult[r // g] if r < n_cap else 0.0 for r in range(crow)),)
-            else:
-                weights = tuple(tuple(1.0 if r // g == i and r < n_cap else 0.0
-                                      for r in range(crow)) for i in range(nu))
-            cap = ("sum", n_cap, crow, weights)
+        if capture == "mean":
+            weights = (tuple(mult[r // g] if r < n_cap else 0.0 for r in range(crow)),)
+        else:
+            weights = tuple(tuple(1.0 if r // g == i and r < n_cap else 0.0
+                                  for r in range(crow)) for i in range(nu))
+        cap = ("sum", n_cap, crow, weights)
 
     o, m, l, cbuf = _verify_call(
         layer, qr, rp, k_cache, v_cache, rows=rows, n_splits=n_splits, split_len=split_len,
@@ -696,15 +621,14 @@ def verify_attention(
         w = _capture_weights(capture, kh, g, uniq, cap_list, mult)[0]  # [kh * n_cap]
         offset = lse[:, :, :n_cap].reshape(b, kh * n_cap) - jnp.log2(jnp.asarray(w))
         return out, (cbuf, offset)
-    if cap[0] in ("logits", "main"):
+    if cap[0] == "main":
         # weights exp2(logit - lse) of the capture rows, reduced to the scores
         w = _capture_weights(capture, kh, g, uniq, cap_list, mult)
         lse_c = lse[:, :, :n_cap].reshape(b, kh * n_cap)
         rowpos = jnp.tile(jnp.repeat(pos_c, g, axis=1), (1, kh))  # [b, kh * n_cap]
         rowlo = None if lo_c is None else jnp.tile(jnp.repeat(lo_c, g, axis=1), (1, kh))
-        fn = capture_scores_reference if epilogue == "xla" else functools.partial(
-            capture_scores, interpret=interpret)
-        sc = fn(cbuf, lse_c, rowpos, w, s, rowlo)  # [b, n_out, s]
+        sc = capture_scores(cbuf, lse_c, rowpos, w, s, rowlo,
+                            interpret=interpret)  # [b, n_out, s]
         return out, sc[:, 0] if capture == "mean" else sc
     n_out = len(cap[3])  # tot below: [b, n_out, s]
     # keys past every capture row's position (or before every row's window) were never
@@ -713,9 +637,6 @@ def verify_attention(
     if lo_c is not None:
         written &= ar[None, :] > lo_c.min(axis=1)[:, None]
     # the kernel summed log2-unit logits: _LN2 converts back to natural-log logits
-    if capture == "heads":  # [b, kh, s]
-        per = cbuf.reshape(b, kh, n_out, -1)[:, :, 0, :s] * (_LN2 / g)
-        return out, jnp.where(written[:, None, :], per, 0.0)
     tot = cbuf.reshape(b, kh, n_out, -1)[..., :s].sum(axis=1) * (_LN2 / (kh * g))
     if capture == "mean":
         return out, jnp.where(written, tot[:, 0], 0.0)

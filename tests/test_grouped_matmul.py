@@ -1,6 +1,6 @@
-"""The MoE grouped matmul's routing between jax's Mosaic-GPU kernel and XLA's ragged_dot,
-and its execution choice. (The Mosaic kernel itself runs only on Hopper GPUs:
-`python -m benchmarks.moe_memory` checks it there against XLA's ragged_dot.)"""
+"""The MoE grouped matmul: our Triton kernel (interpret mode) against XLA's ragged_dot,
+and the "pallas" path's routing between it, jax's Mosaic-GPU kernel (which runs only on
+Hopper GPUs) and XLA's ragged_dot, checked in the CUDA lowering."""
 
 import jax
 import jax.numpy as jnp
@@ -10,14 +10,14 @@ import pytest
 from pallas_kernels.grouped_matmul import mosaic_fits, ragged_dot
 from tests.cuda import lower_cuda
 from tests import rand
-from vegas_jax.execution import ExecConfig
 
 sd = jax.ShapeDtypeStruct
 
 
-def _lowered(dtype, k, n):
-    return lower_cuda(lambda a, b, g: ragged_dot(a, b, g, impl="mosaic"),
-                      sd((32, k), dtype), sd((8, k, n), dtype), sd((8,), jnp.int32))
+def _lowered(dtype, k, n, rows=264):
+    """impl "pallas" at `rows` expert rows (past TRITON_MAX_ROWS: the Mosaic kernel's)."""
+    return lower_cuda(lambda a, b, g: ragged_dot(a, b, g, impl="pallas"),
+                      sd((rows, k), dtype), sd((8, k, n), dtype), sd((8,), jnp.int32))
 
 
 def test_mosaic_lowers_for_bf16_whole_tiles():
@@ -38,23 +38,17 @@ def test_xla_path_is_ragged_dot():
     a = rand.normal(ks[0], (10, 64))
     w = rand.normal(ks[1], (3, 64, 128))
     sizes = jnp.array([4, 0, 6], jnp.int32)
-    out = ragged_dot(a, w, sizes, precision=jax.lax.Precision.HIGHEST, impl="mosaic")
     ref = np.concatenate([np.asarray(a[:4]) @ np.asarray(w[0]),
                           np.asarray(a[4:]) @ np.asarray(w[2])])
-    np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-5, atol=1e-4)
+    for impl in ("xla", "pallas"):  # fp32 operands: "pallas" takes XLA's too
+        out = ragged_dot(a, w, sizes, precision=jax.lax.Precision.HIGHEST, impl=impl)
+        np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-5, atol=1e-4)
 
 
 def test_impl_choice():
-    with pytest.raises(ValueError, match="impl"):
-        ragged_dot(jnp.zeros((2, 64)), jnp.zeros((1, 64, 128)), jnp.array([2]), impl="cutlass")
-    assert ExecConfig().resolve("cpu").moe == "xla"
-    for impl in ("mosaic", "pallas"):
-        with pytest.raises(ValueError, match="Hopper"):
-            ExecConfig(moe=impl).resolve("cpu")
-        with pytest.raises(ValueError, match="one device"):
-            ExecConfig(moe=impl, tp=2)
-    with pytest.raises(ValueError, match="moe"):
-        ExecConfig(moe="megablox")
+    for impl in ("cutlass", "mosaic", "triton"):
+        with pytest.raises(ValueError, match="impl"):
+            ragged_dot(jnp.zeros((2, 64)), jnp.zeros((1, 64, 128)), jnp.array([2]), impl=impl)
 
 
 @pytest.mark.parametrize("sizes, loop", [((3, 0, 20, 1, 0, 8), False),  # a group over one row tile
@@ -65,7 +59,7 @@ def test_triton_grouped_matmul_matches_ragged_dot(sizes, loop):
     """Our few-rows kernel (interpret mode, fp32) against XLA's ragged_dot: rows sorted by
     group, empty groups, a group longer than a row tile, a last tile past the rows; k
     unrolled or walked in a fori_loop."""
-    from pallas_kernels.grouped_matmul import grouped_matmul, tile_plan
+    from pallas_kernels.grouped_matmul import GmmTile, grouped_matmul, tile_plan
 
     sizes = jnp.array(sizes, jnp.int32)
     m, g, k, n = int(sizes.sum()), sizes.shape[0], 128, 128
@@ -73,7 +67,7 @@ def test_triton_grouped_matmul_matches_ragged_dot(sizes, loop):
     a = rand.normal(ks[0], (m, k))
     w = rand.normal(ks[1], (g, k, n))
     ref = jax.lax.ragged_dot(a, w, sizes, precision=jax.lax.Precision.HIGHEST)
-    out = grouped_matmul(a, w, sizes, loop=loop, interpret=True)
+    out = grouped_matmul(a, w, sizes, tile=GmmTile(block_k=64, loop=loop), interpret=True)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-4)
     grp, row0, rows = tile_plan(sizes, m, 16)
     assert int(rows.sum()) == m  # every row in exactly one tile
@@ -81,28 +75,28 @@ def test_triton_grouped_matmul_matches_ragged_dot(sizes, loop):
 
 
 def test_tile_for_halves_block_k_until_it_divides_k():
-    from pallas_kernels.grouped_matmul import GMM_TILE, tile_for
+    from pallas_kernels.grouped_matmul import GmmTile, tile_for
 
-    assert GMM_TILE.loop and tile_for(2048).block_k == 128 and tile_for(768).block_k == 128
-    assert tile_for(2880).block_k == 64  # gpt-oss's hidden size
-    assert tile_for(2880).num_stages == GMM_TILE.num_stages
+    assert tile_for(2048).block_k == 128 and tile_for(768).block_k == 128
+    assert tile_for(2880) == GmmTile(block_k=64)  # gpt-oss's hidden size; the rest kept
+    assert tile_for(2880, GmmTile(block_k=32, loop=False)) == GmmTile(block_k=32, loop=False)
     assert tile_for(40) is None
 
 
 def test_triton_grouped_matmul_lowers_for_cuda():
-    from pallas_kernels.grouped_matmul import grouped_matmul
+    from pallas_kernels.grouped_matmul import GmmTile, grouped_matmul
 
-    txt = lower_cuda(lambda a, b, g: ragged_dot(a, b, g, impl="triton"),
+    txt = lower_cuda(lambda a, b, g: ragged_dot(a, b, g, impl="pallas"),
                      sd((32, 2048), jnp.bfloat16), sd((128, 2048, 1536), jnp.bfloat16),
                      sd((128,), jnp.int32))
     assert "xla.gpu.triton" in txt and "chlo.ragged_dot" not in txt
-    txt = lower_cuda(lambda a, b, g: grouped_matmul(a, b, g, block_k=128, loop=True,
-                                                    num_stages=3),
+    txt = lower_cuda(lambda a, b, g: grouped_matmul(a, b, g, tile=GmmTile(block_k=64,
+                                                                          loop=False)),
                      sd((8, 2048), jnp.bfloat16), sd((128, 2048, 1536), jnp.bfloat16),
                      sd((128,), jnp.int32))
     assert "xla.gpu.triton" in txt
     # gpt-oss's gate/up (k 2880): the default tile with 64-column k blocks, still Triton
-    txt = lower_cuda(lambda a, b, g: ragged_dot(a, b, g, impl="triton"),
+    txt = lower_cuda(lambda a, b, g: ragged_dot(a, b, g, impl="pallas"),
                      sd((8, 2880), jnp.bfloat16), sd((32, 2880, 5760), jnp.bfloat16),
                      sd((32,), jnp.int32))
     assert "xla.gpu.triton" in txt and "chlo.ragged_dot" not in txt

@@ -13,6 +13,12 @@ from pallas_kernels.sparse_attention import (
 from tests.cuda import lower_cuda
 from tests import compiled, rand
 
+def _fast_first(cases, fast, prefix="c"):
+    """pytest params of `cases`, those not indexed in `fast` in the slow tier."""
+    return [pytest.param(c, id=f"{prefix}{i}", marks=() if i in fast else pytest.mark.slow)
+            for i, c in enumerate(cases)]
+
+
 # (L, b, kh, g, d, s, K, tail_len, per_head, dtype, layer axis on idx)
 CASES = [
     (2, 2, 2, 4, 64, 300, 37, 9, False, jnp.float32, False),
@@ -25,7 +31,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=[f"c{i}" for i in range(len(CASES))])
+@pytest.mark.parametrize("case", _fast_first(CASES, (1, 5)))
 def test_sparse_matches_reference(case):
     L, b, kh, g, d, s, K, W, per_head, dtype, stacked = case
     ks = jax.random.split(jax.random.PRNGKey(s + K), 6)
@@ -63,7 +69,8 @@ def test_sparse_matches_reference(case):
     np.testing.assert_allclose(out, np.asarray(ref, np.float32), atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("per_head,g,none_selected", [(False, 3, False), (True, 1, True)])
+@pytest.mark.parametrize("per_head,g,none_selected",
+                         [(False, 3, False), pytest.param(True, 1, True, marks=pytest.mark.slow)])
 def test_sinks_match_reference(per_head, g, none_selected):
     """gpt-oss's sinks (one logit per query head in the denominator) enter at the combine;
     a sliding layer's draft selects nothing and reads its window as the tail."""
@@ -117,25 +124,19 @@ STEP_CASES = [
 ]
 
 
-# the knobs that change the kernel's code: (merge_tail, write_last); "merged" runs on
-# whole-pair programs (the only ones it changes), "late" on both paths, both with x only
-STEP_VARIANTS = {"plain": (False, False), "merged": (True, True), "late": (False, True)}
-STEP_PARAMS = [(c, v, x) for c in STEP_CASES for v in STEP_VARIANTS for x in (False, True)
-               if v == "plain" or (x and (v == "late" or c[-1]))]
+# (case, with_x): with x on the split path, the chunks are combined by the Pallas kernel
+STEP_PARAMS = [pytest.param(c, x, id=f"c{i}-{'x' if x else 'qkv'}",
+                            marks=() if (i, x) in ((0, True), (1, False)) else pytest.mark.slow)
+               for i, c in enumerate(STEP_CASES) for x in (False, True)]
 
 
-@pytest.mark.parametrize("case,variant,with_x", STEP_PARAMS,
-                         ids=[f"c{STEP_CASES.index(c)}-{v}-{'x' if x else 'qkv'}"
-                              for c, v, x in STEP_PARAMS])
-def test_sparse_step_matches_reference(case, variant, with_x):
+@pytest.mark.parametrize("case,with_x", STEP_PARAMS)
+def test_sparse_step_matches_reference(case, with_x):
     """With x, qkv is the projection before the input norm's row scale, which the kernel
-    applies from x (rows of different scales; a hidden size that is not a power of two).
-    Variants: the whole-pair kernel walks the list and the tail in one loop (`merge_tail`),
-    and writes the new K/V after the walk (`write_last`; also on the split path)."""
+    applies from x (rows of different scales; a hidden size that is not a power of two)."""
     from pallas_kernels.sparse_attention import rope_halves, sparse_step, sparse_step_reference
 
     b, kh, g, d, s, K, W, qk_norm, dtype, unsplit = case
-    merge, late = STEP_VARIANTS[variant]
     L, n = 2, kh * g
     ks = jax.random.split(jax.random.PRNGKey(s + K + W), 8)
     kc = rand.normal(ks[0], (L, b, kh, s, d), jnp.float32).astype(dtype)
@@ -160,8 +161,7 @@ def test_sparse_step_matches_reference(case, variant, with_x):
         kw["x"] = x.astype(dtype)
     ref, rk, rv = compiled.call(sparse_step_reference, *args, **kw)
     # unsplit: a tail shorter than the list's blocks walks its own, smaller blocks
-    sb = SparseBlocks(block_k=32 if unsplit else 16, target_programs=3 * b * kh,
-                      merge_tail=merge, write_last=late)
+    sb = SparseBlocks(block_k=32 if unsplit else 16, target_programs=3 * b * kh)
     # split: the chunks combined by the Pallas kernel (with x) or by XLA (without)
     blocks = StepBlocks(split=sb, whole=sb, whole_from=1 if unsplit else 10**6,
                         combine_from=1 if with_x else 10**6)
@@ -177,7 +177,7 @@ def test_sparse_step_matches_reference(case, variant, with_x):
     assert not np.array_equal(np.asarray(rk), np.asarray(kc))
 
 
-@pytest.mark.parametrize("unsplit", [False, True])
+@pytest.mark.parametrize("unsplit", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_sparse_step_padding_rows_output_zeros_and_touch_no_cache(unsplit):
     """qkv and x with rows past the cache's batch (the model's padded residual stream):
     the real rows are those of the unpadded call, the padding rows zeros, and the cache
@@ -222,9 +222,7 @@ def test_sparse_step_lowers_for_cuda():
     L, b, kh, g, d, s, K = 2, 64, 3, 3, 64, 4096, 300
     sd = jax.ShapeDtypeStruct
     bf = jnp.bfloat16
-    merged = StepBlocks(whole=SparseBlocks(block_k=64, num_warps=2, num_stages=3,
-                                           merge_tail=True, write_last=True), whole_from=1)
-    for blocks in (StepBlocks(whole_from=1), StepBlocks(whole_from=10**6), merged):
+    for blocks in (StepBlocks(whole_from=1), StepBlocks(whole_from=10**6)):
         fn = functools.partial(sparse_step, tail_len=13, num_heads=kh * g, qk_norm=True,
                                blocks=blocks)
         txt = lower_cuda(
@@ -249,7 +247,7 @@ COMBINE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", COMBINE_CASES, ids=[f"c{i}" for i in range(len(COMBINE_CASES))])
+@pytest.mark.parametrize("case", _fast_first(COMBINE_CASES, (1, 3)))
 def test_combine_step_splits_matches_combine_splits(case):
     """Empty chunks (m = NEG, l = 0, o = 0) among real ones; sequence 0's head 0 saw
     nothing in any chunk: its rows are zeros."""
