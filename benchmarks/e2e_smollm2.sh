@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# End-to-end SmolLM2-135M (real weights) on the GPU machine, every method side by side.
-# The GGUF travels in two halves (.gpu_a/smolpart00, .gpu_b/smolpart01: `split -n 2 -d`,
-# two `run` calls back to back), the prompts as token ids (.gpu_a/prompts.json: the GPU
-# image's transformers cannot read the GGUF's tokenizer), the gguf wheel in .gpu_a/whl.
+# End-to-end SmolLM2-135M (real weights) on the GPU machine, every method side by side:
+# `python -m vegas_jax.bench` per batch size, greedy and sampled, one table each.
 #   bash benchmarks/e2e_smollm2.sh [batch ...]      (default: 64 128 1)
-# METHODS=a,b,c and GAMMAS=6,8 override the methods and gammas of the batched runs;
-# EXTRA="--draft-attn merged" (any bench flags) is added to every run; vanilla, vegas and
-# auto alone, no phase split: METHODS=vanilla,vegas,auto GAMMAS=6 EXTRA="--profile-reps 0"
+# The GGUF travels in two halves (.gpu_a/smolpart00, .gpu_b/smolpart01: `split -n 2 -d`),
+# the prompts as token ids (.gpu_a/prompts.json, `python -m benchmarks.make_prompts`), the
+# gguf wheel in .gpu_a/whl.
+# METHODS=a,b,c and GAMMAS=6,8 override the methods and gammas of the batched runs; EXTRA
+# (any bench flags, e.g. "--exact", "--backend xla", "--profile-reps 0" for no phase split)
+# is added to every run: METHODS=vanilla,vegas,auto GAMMAS=6 EXTRA="--profile-reps 0"
 set -u
 export PYTHONPATH=.:/tmp/site PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=2
 OUT=${OUT:-/tmp/e2e}

@@ -1,23 +1,27 @@
-"""Greedy speculative output against vanilla, token for token, on real weights (issue 10's
-GPU table): per dtype and method, how many sequences equal vanilla and where the first
-difference falls; and vanilla against itself at another batch size, so that bf16
-divergence reads in context (a different batch shape alone changes bf16 rounding).
+"""Greedy speculative output against vanilla, token for token, on real weights: per dtype
+and method, how many sequences equal vanilla and where the first difference falls; and
+vanilla against itself at another batch size, so that bf16 divergence reads in context (a
+different batch shape alone changes bf16 rounding).
 
     PYTHONPATH=. python -m benchmarks.equality --checkpoint smol.gguf \\
-        --prompts-json prompts.json [--dtypes float32,bfloat16] [--json out.json]
+        --prompts-json prompts.json [--dtypes float32,bfloat16] [--exact both] [--json out.json]
 
 Prompts are token ids ({"prompts": [[ids], ...]}), each cut to its last --context tokens
-and cut again per sequence to a different length, so the batch is ragged."""
+and cut again per sequence to a different length, so the batch is ragged. `--exact`:
+`ExecConfig(exact=True)`, the verify row by row as plain decode steps, whose greedy output
+should equal vanilla's in every dtype. Methods: the library's and the study's plug-ins
+(`benchmarks.methods`), by name."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 
 import jax.numpy as jnp
 
-METHODS = ("vegas", "vegas-paper", "vegas-all", "last", "stream", "quest")
+METHODS = ("vegas", "vegas-paper", "last", "stream", "quest", "auto")
 
 
 def first_difference(a, b):
@@ -37,7 +41,9 @@ def compare(ref, got):
 
 
 def main(argv=None) -> int:
+    from benchmarks.methods import method_of
     from vegas_jax import SpecConfig, generate, speculative_generate
+    from vegas_jax.execution import BACKENDS, ExecConfig
     from vegas_jax.loading import load_model
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -51,11 +57,13 @@ def main(argv=None) -> int:
     p.add_argument("--min-tokens", type=int, default=64)
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--backend", default="auto", choices=BACKENDS)
     p.add_argument("--exact", default="no", choices=("no", "yes", "both"),
-                   help="SpecConfig(exact=...): the verify row by row as decode steps; "
+                   help="ExecConfig(exact=...): the verify row by row as decode steps; "
                    "'both' runs every method each way")
     p.add_argument("--json", default=None, metavar="FILE")
     a = p.parse_args(argv)
+    methods = {m: method_of(m) for m in a.methods.split(",") if m}
     with open(a.prompts_json) as f:
         ids = json.load(f)["prompts"]
     # ragged: sequence i keeps a different share of the context
@@ -68,19 +76,21 @@ def main(argv=None) -> int:
     print("| dtype | run | equal / total | first difference |")
     print("|---|---|---|---|")
     for dt in a.dtypes.split(","):
-        model = load_model(checkpoint=a.checkpoint, dtype=getattr(jnp, dt))
+        model = load_model(checkpoint=a.checkpoint, dtype=getattr(jnp, dt),
+                           exec_config=ExecConfig(backend=a.backend))
         ref = generate(model, prompts, a.new_tokens).tokens
         half = a.batch // 2
         other = (generate(model, prompts[:half], a.new_tokens).tokens
                  + generate(model, prompts[half:], a.new_tokens).tokens)
         runs = [(f"vanilla at batch {half} vs {a.batch}", other)]
         exacts = {"no": (False,), "yes": (True,), "both": (False, True)}[a.exact]
-        for m in a.methods.split(","):
+        for m, method in methods.items():
             for exact in exacts:
                 t = time.perf_counter()
+                xc = dataclasses.replace(model.exec_config, exact=exact)
                 res = speculative_generate(model, prompts, a.new_tokens, SpecConfig(
-                    method=m, gamma=a.gamma, sparsity=a.sparsity, min_tokens=a.min_tokens,
-                    exact=exact))
+                    method=method, gamma=a.gamma, sparsity=a.sparsity,
+                    min_tokens=a.min_tokens), exec_config=xc)
                 runs.append((f"{m}{', exact' if exact else ''} (tau {res.stats['tau']:.2f}, "
                              f"{time.perf_counter() - t:.0f} s)", res.tokens))
         for name, toks in runs:

@@ -6,7 +6,8 @@ included), every configuration run twice and timed the second time (compiled).
         --prompts-json prompts.json --prompts 256 --slots 64 [--json out.json]
 
 Prompts are token ids ({"prompts": [[ids], ...]}), each cut to a different length up to
---context, repeated to make --prompts of them."""
+--context, repeated to make --prompts of them. Methods: the library's and the study's
+plug-ins (`benchmarks.methods`), by name; `--backend` / `--exact` as in the CLI."""
 
 from __future__ import annotations
 
@@ -19,7 +20,9 @@ import numpy as np
 
 
 def main(argv=None) -> int:
+    from benchmarks.methods import method_of
     from vegas_jax import SamplingParams, SpecConfig, speculative_generate
+    from vegas_jax.execution import BACKENDS, ExecConfig
     from vegas_jax.loading import load_model
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -31,6 +34,8 @@ def main(argv=None) -> int:
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--methods", default="vanilla,vegas")
     p.add_argument("--gamma", type=int, default=6)
+    p.add_argument("--backend", default="auto", choices=BACKENDS)
+    p.add_argument("--exact", action="store_true", help="ExecConfig(exact=True)")
     p.add_argument("--temperature", type=float, default=0.6)
     p.add_argument("--top-p", type=float, default=0.95)
     p.add_argument("--top-k", type=int, default=20)
@@ -46,7 +51,8 @@ def main(argv=None) -> int:
     limits = (np.random.default_rng(0).integers(max(1, a.new_tokens // 8), a.new_tokens + 1,
                                                 a.prompts).tolist()
               if a.ragged else [a.new_tokens] * a.prompts)
-    model = load_model(checkpoint=a.checkpoint)
+    model = load_model(checkpoint=a.checkpoint,
+                       exec_config=ExecConfig(backend=a.backend, exact=a.exact))
     sp = SamplingParams(a.temperature, a.top_k, a.top_p)
     print(f"{a.prompts} prompts of {min(map(len, prompts))}-{max(map(len, prompts))} tokens, "
           f"{min(limits)}-{a.new_tokens} new, {a.slots} slots, T {a.temperature}")
@@ -55,17 +61,16 @@ def main(argv=None) -> int:
     print("|---|---|---|---|---|---|")
     rows = []
     for m in a.methods.split(","):
-        spec = SpecConfig(method=m, gamma=a.gamma)
+        spec = SpecConfig(method=method_of(m), gamma=a.gamma)
 
         def static():
             toks, taus = 0, []
-            st = {}
             for i in range(0, a.prompts, a.slots):
                 r = speculative_generate(model, prompts[i:i + a.slots], limits[i:i + a.slots],
                                          spec, sp)
                 toks += sum(map(len, r.tokens))
                 taus.append(r.stats["tau"])
-            return toks, sum(taus) / len(taus), st
+            return toks, sum(taus) / len(taus), {}
 
         def refilled():
             r = speculative_generate(model, prompts, limits, spec, sp, max_batch=a.slots)

@@ -1,10 +1,13 @@
-"""Drafting accuracy on real text (issue 16): tau (mean acceptance length) of every method
-over kinds of text, contexts, sparsities and gammas, with confidence intervals.
+"""Drafting accuracy on real text: tau (mean acceptance length) of every method over kinds
+of text, contexts, sparsities and gammas, with confidence intervals.
 
     PYTHONPATH=. python -m benchmarks.tau_study [--kinds chat-prose,prose,code]
         [--contexts 1024,2048,4096,8000] [--sparsities 0.03,0.07,0.15] [--gammas 4,6,8]
         [--methods vegas,stream,...] [--seqs 8] [--new-tokens 96] [--json out.json]
         [--plot DIR]
+
+Methods: the library's (`vegas_jax.methods.METHODS`) and the study's plug-ins
+(`benchmarks.methods.PLUGINS`, e.g. vegas-all, vegas-accepted), by name.
 
 The grid is a star, not a product: a centre point (the first context, the middle
 sparsity and gamma unless --centre-* say otherwise) and one axis varied at a time
@@ -14,8 +17,8 @@ its own rounds (`stats["tau_by_sequence"]`); a method's tau over a cell is the m
 sequences', and its ratio to stream gets a 95 % bootstrap interval over sequences (paired:
 both methods resampled with the same sequences); the pooled tables put every kind's
 sequences together, against stream and against vegas (`--from-json` re-prints them from
-saved runs). tau does not need the GPU: this runs on
-the CPU in fp32 (set --dtype bf16 to see the GPU's arithmetic).
+saved runs). tau does not need the GPU: this runs on the CPU in fp32 (set --dtype bf16
+to see the GPU's arithmetic).
 
 Kinds: "prose" (CPython's language reference) and "code" (CPython's standard library) as
 raw continuation; "chat-prose" / "chat-code": the same documents with a task, through the
@@ -32,8 +35,8 @@ import time
 import numpy as np
 
 KINDS = ("prose", "code", "chat-prose", "chat-code")
-DEFAULT_METHODS = ("vegas", "vegas-window", "vegas-accepted", "vegas-paper", "vegas-pool",
-                   "vegas-heads", "last", "stream", "quest")
+DEFAULT_METHODS = ("vegas", "vegas-paper", "vegas-all", "vegas-accepted", "last", "stream",
+                   "quest")
 
 
 def prompts_for(tokenizer, kind: str, context: int, n: int) -> list[list[int]]:
@@ -83,9 +86,8 @@ class SharedPrefill:
     """Every method of a cell prefills the same prompts, and so does every cell of the
     same kind and context (sparsity and gamma do not enter the prefill; a gamma whose
     cache is longer is a new key): methods with the same first-selection capture get the
-    same result, computed once (the prefill is most of a CPU run's time: ~12 min for 6
-    sequences of 8K) and handed to each method as its own copy (the decoding loop donates
-    the cache)."""
+    same result, computed once (the prefill is most of a CPU run's time) and handed to
+    each method as its own copy (the decoding loop donates the cache)."""
 
     def __init__(self):
         import vegas_jax.speculative as spec_mod
@@ -120,16 +122,16 @@ def run_cell(model, kind, context, sparsity, gamma, args, shared: SharedPrefill 
 
 
 def _run_methods(model, prompts, kind, context, sparsity, gamma, args):
+    from benchmarks.methods import method_of
     from vegas_jax import SpecConfig, speculative_generate
 
     per = {}
     ref = None
     for m in args.methods:
         t0 = time.perf_counter()
-        res = speculative_generate(model, prompts, args.new_tokens,
-                                   SpecConfig(method=m, gamma=gamma, sparsity=sparsity,
-                                              min_tokens=args.min_tokens),
-                                   max_batch=args.batch)
+        spec = SpecConfig(method=method_of(m), gamma=gamma, sparsity=sparsity,
+                          min_tokens=args.min_tokens)
+        res = speculative_generate(model, prompts, args.new_tokens, spec, max_batch=args.batch)
         st = res.stats
         if ref is None:
             ref = res.tokens
@@ -182,7 +184,7 @@ def table(rows, refs=("stream", "vegas")) -> str:
 def pooled(rows, refs=("stream", "vegas")) -> str:
     """Per (context, sparsity, gamma): each method's tau per kind and its ratio to each
     reference method over the sequences of every kind together (paired, 95 % bootstrap).
-    The tables of BENCHMARKS.md."""
+    The study's summary tables."""
     out = []
     for cell in dict.fromkeys((r["context"], r["sparsity"], r["gamma"]) for r in rows):
         mine = [r for r in rows if (r["context"], r["sparsity"], r["gamma"]) == cell]
@@ -272,7 +274,8 @@ def build_parser():
     p.add_argument("--centre-sparsity", type=float, help="default: the middle of --sparsities")
     p.add_argument("--centre-gamma", type=int, help="default: the middle of --gammas")
     p.add_argument("--methods", default=",".join(DEFAULT_METHODS),
-                   help="comma-separated method names (stream is the ratio's reference)")
+                   help="comma-separated names from vegas_jax.methods.METHODS and "
+                   "benchmarks.methods.PLUGINS (stream is the ratio's reference)")
     p.add_argument("--seqs", type=int, default=8, help="sequences per cell")
     p.add_argument("--batch", type=int, default=None,
                    help="sequences decoded at once (default: all of a cell's)")
@@ -290,8 +293,9 @@ def build_parser():
 def main(argv=None) -> int:
     import jax.numpy as jnp
 
+    from benchmarks.methods import method_of
     from vegas_jax.loading import load_model
-    from vegas_jax.selection import METHODS
+    from vegas_jax.methods import Auto
 
     args = build_parser().parse_args(argv)
     if args.from_json:
@@ -307,8 +311,12 @@ def main(argv=None) -> int:
         if k not in KINDS:
             raise SystemExit(f"unknown kind {k!r}; choose from {', '.join(KINDS)}")
     for m in args.methods:
-        if m not in METHODS or m in ("vanilla", "auto"):
-            raise SystemExit(f"unknown or non-drafting method {m!r}")
+        try:
+            method = method_of(m)
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
+        if not method.speculative or isinstance(method, Auto):
+            raise SystemExit(f"{m!r} is not a drafting method of one gamma")
     if args.seqs < 2:
         raise SystemExit("--seqs must be >= 2 (the interval needs several sequences)")
     model = load_model(checkpoint=args.checkpoint,

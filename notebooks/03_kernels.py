@@ -14,8 +14,8 @@
 # Each file holds a plain-jnp reference with the same semantics. Here both kernels run
 # against their references: in Pallas **interpret mode** on a CPU (the kernel body
 # executed by XLA ops: same indexing, masking and combine, not the Triton lowering), or
-# compiled with Triton when a GPU is present. The GPU timings at the end are read from
-# `BENCHMARKS.md`, not measured here.
+# compiled with Triton when a GPU is present. Nothing here is timed: the GPU numbers are in
+# `RESULTS.md`.
 
 # %% [markdown]
 # ## 0. Install
@@ -62,8 +62,6 @@ import vegas_jax
 print("vegas_jax from", Path(vegas_jax.__file__).parent)
 
 # %%
-import functools
-
 import jax
 import jax.numpy as jnp
 import matplotlib.pyplot as plt
@@ -182,7 +180,9 @@ fig.tight_layout()
 # streams the keys (it needs all splits), so it stores the **raw scaled logits** of the
 # capture rows into a side buffer (fp16, `[b, capture token, kv_head, g]` rows x S
 # columns) with a masked store while the block is still in registers; after the combine,
-# a small XLA epilogue turns them into weights with the final LSE and averages. The
+# a small kernel (`capture_scores`) turns them into weights with the final LSE and
+# averages. (In a decoding round on the Pallas path the selection kernel,
+# `pallas_kernels/capture_select.py`, reads the stored logits of every layer itself.) The
 # capture tokens are permuted to the front of the query block, so their rows are the
 # first rows of every program. No second pass over K.
 #
@@ -212,9 +212,9 @@ print(f"capture='rows' (all {T} rows, raw logits, as `last` needs):",
 # ## 3. Sparse draft attention: the in-kernel gather
 #
 # A draft step has one query token per sequence. It reads `count` selected positions
-# (`idx [b, K]`, shared by the layer's KV heads, or `[b, kv_heads, K]` per head) plus the
-# contiguous tail `tail_start .. q_pos` (everything after the last verify's ranked range:
-# accepted tokens, the bonus token, this round's drafts).
+# (`idx [b, K]`, shared by the layer's KV heads) plus the contiguous tail
+# `tail_start .. q_pos` (everything after the last verify's ranked range: accepted
+# tokens, the bonus token, this round's drafts).
 #
 # **One program = (sequence, KV head, chunk).** Chunks `0..J-1` split the index list (so
 # even one sequence fills the GPU); chunk `J` is the tail. A program loads `block_k`
@@ -243,58 +243,28 @@ sp_ref = sparse_attention_reference(qd, k_cache, v_cache, layer, idx, count, tai
 print("sparse output relative L2 error vs reference:", f"{rel_err(sp_out, sp_ref):.1e}")
 assert rel_err(sp_out, sp_ref) < 1e-4
 
-# per-KV-head index lists (a research option) go through the same kernel
-idx_h = jnp.stack([idx, jnp.roll(idx, 3, axis=1)], axis=1)  # [b, kv_heads, K]
-cnt_h = jnp.stack([count, count], axis=1)
-e = rel_err(sparse_attention(qd, k_cache, v_cache, layer, idx_h, cnt_h, tail_start, qd_pos,
-                             tail_len=TAIL, interpret=INTERPRET,
-                             blocks=SparseBlocks(block_k=16)),
-            sparse_attention_reference(qd, k_cache, v_cache, layer, idx_h, cnt_h,
-                                       tail_start, qd_pos, tail_len=TAIL))
-print(f"per-KV-head indices: relative error {e:.1e}")
-
 # %% [markdown]
 # ## 4. On the real model: the kernels inside a forward pass
 #
 # The model calls the kernels through `vegas_jax.attention` when its execution config
-# says `ExecConfig(attn="pallas")` (the default on GPU). To run that path on a CPU, the
-# cell below swaps in the interpret-mode versions for the duration of the block (on a GPU
-# it changes nothing).
-# On SmolLM2-135M with a real ~500-token prompt it compares, against the XLA path:
+# says `ExecConfig(backend="pallas")` (the default on a GPU); on a CPU the same path runs
+# every kernel in interpret mode by itself. `ExecConfig(backend="xla")` is the reference
+# path, plain XLA ops.
+# On SmolLM2-135M with a real ~500-token prompt the cells below compare the two paths on
 # a verify pass of 7 tokens with Collect-2-Query capture (logits and the selection scores
-# of all 30 layers), then a sparse draft step reading 7 % of the context chosen from those
-# scores (with the default `ExecConfig(draft="fused")` the draft step's whole attention
-# block — Q/K norm, RoPE, the K/V write and the sparse attention — is one kernel,
-# `sparse_step`). Last, the draft's next-token distribution is compared with a
-# full-attention step.
+# of all 30 layers), then on a sparse draft step reading 7 % of the context chosen from
+# those scores (on the Pallas path the draft step's whole attention block — Q/K norm,
+# RoPE, the K/V write and the sparse attention — is one kernel, `sparse_step`). Last, the
+# draft's next-token distribution is compared with a full-attention step.
 
 # %%
-import contextlib
-
-import vegas_jax.attention as attn_mod
-from vegas_jax import load_model
+from vegas_jax import ExecConfig, load_model
 from vegas_jax.attention import CAUSAL, AttnPlan, Capture
 from vegas_jax.cache import init_cache
+from vegas_jax.driver import exec_config
 from vegas_jax.model import forward
-from vegas_jax.runtime import exec_config, pad_prompts, prefill
+from vegas_jax.prefill import pad_prompts, prefill
 from vegas_jax.workloads import long_prompts
-
-
-@contextlib.contextmanager
-def kernels_runnable_here():
-    """attn='pallas' on a CPU: route the model's kernel calls to interpret mode."""
-    if ON_GPU:
-        yield
-        return
-    saved = attn_mod.verify_attention, attn_mod.sparse_attention, attn_mod.sparse_step
-    attn_mod.verify_attention = functools.partial(saved[0], interpret=True)
-    attn_mod.sparse_attention = functools.partial(saved[1], interpret=True)
-    attn_mod.sparse_step = functools.partial(saved[2], interpret=True)
-    try:
-        yield
-    finally:
-        attn_mod.verify_attention, attn_mod.sparse_attention, attn_mod.sparse_step = saved
-
 
 model = load_model(dtype="bfloat16" if ON_GPU else "float32")
 cfg = model.config
@@ -302,7 +272,9 @@ ids = model.tokenizer.encode(long_prompts(model.tokenizer, [500], "prose")[0])
 n = len(ids)
 toks, lens = pad_prompts([ids])
 cache = init_cache(cfg, 1, -(-(n + 16) // 128) * 128, model.params.embed.dtype)
-xcs = {impl: exec_config(model, impl) for impl in ("xla", "pallas")}  # the two paths
+# the two paths, resolved for this machine and the model's layer layout
+xcs = {b: exec_config(model, ExecConfig(backend=b)) for b in ("xla", "pallas")}
+print(xcs["pallas"], "- interpret mode:", xcs["pallas"].interpret)
 last_logits, cache, _ = prefill(model.params, cfg, xcs["xla"], toks, lens, cache, None)
 fwd = jax.jit(forward, static_argnums=(1, 2))
 
@@ -319,8 +291,7 @@ vpos = (n + jnp.arange(T, dtype=jnp.int32))[None]
 results = {}
 c2q = AttnPlan(capture=Capture(rows=(0, GAMMA), reduce="mean", score="weight"))
 for impl in ("xla", "pallas"):
-    with kernels_runnable_here():
-        results[impl] = fwd(model.params, cfg, xcs[impl], vtok, vpos, cache, c2q)
+    results[impl] = fwd(model.params, cfg, xcs[impl], vtok, vpos, cache, c2q)
 (lx, cx, sx), (lp, cp, spx) = results["xla"], results["pallas"]
 print(f"verify logits: relative error {rel_err(lp, lx):.1e}, same argmax in "
       f"{int((lp.argmax(-1) == lx.argmax(-1)).sum())}/{T} rows")
@@ -328,7 +299,7 @@ print(f"selection scores (all {cfg.num_layers} layers): relative error {rel_err(
 
 # %%
 from vegas_jax import SpecConfig
-from vegas_jax.selection import select_topk
+from vegas_jax.methods import select_topk
 
 spec_cfg = SpecConfig(sparsity=0.07, min_tokens=16)
 n_vec = jnp.array([n])
@@ -351,8 +322,7 @@ for impl in ("xla", "pallas"):
     idx, count = sel["xla"]
     plan = AttnPlan(mode="sparse", tail_len=2 * GAMMA + 1, idx=idx, count=count,
                     tail_start=n_vec + 1)
-    with kernels_runnable_here():
-        drafts[impl] = fwd(model.params, cfg, xcs[impl], dtok, dpos, dcache, plan)[0][0, 0]
+    drafts[impl] = fwd(model.params, cfg, xcs[impl], dtok, dpos, dcache, plan)[0][0, 0]
 dense = fwd(model.params, cfg, xcs["xla"], dtok, dpos, dcache, CAUSAL)[0][0, 0]
 print(f"sparse draft logits, kernel vs XLA: relative error "
       f"{rel_err(drafts['pallas'], drafts['xla']):.1e}")
@@ -362,77 +332,9 @@ print(f"draft reading {kk}+tail of {n + 3} positions vs full attention: "
       f"same top-1 token {bool(p_sparse.argmax() == p_dense.argmax())}, KL {kl:.3f} nats")
 
 # %% [markdown]
-# ## 5. GPU numbers (from `BENCHMARKS.md`)
+# ## 5. On a GPU
 #
-# Measured on one H200 (Qwen3-8B attention shapes, in-jit loops, see the file for the
-# method). The cells below read the tables from the repository's `BENCHMARKS.md` — nothing
-# here is measured on this machine — and plot two columns of them.
-
-# %%
-import re
-from pathlib import Path
-
-import vegas_jax
-from IPython.display import Markdown, display
-
-bench_md = Path(vegas_jax.__file__).resolve().parent.parent / "BENCHMARKS.md"
-text = bench_md.read_text()
-
-
-def section(title_start):
-    """The markdown of the `###` section whose title starts with `title_start`."""
-    m = re.search(r"^### " + re.escape(title_start) + r".*?(?=^#{1,3} |\Z)", text,
-                  re.M | re.S)
-    if m is None:
-        raise KeyError(f"no section {title_start!r} in {bench_md}")
-    return m.group(0).strip()
-
-
-def table(sec):
-    """First markdown table of a section: (header cells, rows of cells)."""
-    lines = [l for l in sec.splitlines() if l.startswith("|")]
-    cells = [[c.strip() for c in l.strip("|").split("|")] for l in lines]
-    return cells[0], [r for r in cells[2:]]
-
-
-verify_sec = section("Verify attention")
-sparse_sec = section("Sparse draft attention")
-display(Markdown(verify_sec))
-display(Markdown(sparse_sec))
-
-
-# %%
-def num(cell, i=0):
-    """i-th number in a table cell ('153 / 153 / 158', '**11.5x**', '28.0 (1.34)')."""
-    return float(re.findall(r"[0-9]+(?:\.[0-9]+)?", cell)[i])
-
-
-vh, vrows = table(verify_sec)
-sh, srows = table(sparse_sec)
-col = {h: i for i, h in enumerate(vh)}
-pct = [i for i, h in enumerate(vh) if h.startswith("% ceiling")]
-labels = [f"B={r[col['B']]}\n{r[col['S']].split()[0]}" for r in vrows]
-fig, ax = plt.subplots(1, 2, figsize=(13, 3.6))
-x = np.arange(len(vrows))
-# gamma 6 is the middle value of each 'gamma 4 / 6 / 8' cell
-ax[0].bar(x - 0.2, [num(r[pct[0]], 1) for r in vrows], 0.4, label="no capture")
-ax[0].bar(x + 0.2, [num(r[pct[1]], 1) for r in vrows], 0.4, label="capture rows 0, gamma")
-ax[0].set_xticks(x, labels, fontsize=8)
-ax[0].set_ylabel("% of the read ceiling")
-ax[0].set_title("verify attention, gamma 6 (H200, BENCHMARKS.md)")
-ax[0].legend(fontsize=8)
-scol = {h: i for i, h in enumerate(sh)}
-speed = [num(r[scol["speedup vs dense"]]) for r in srows]
-ax[1].bar([f"B={r[scol['B']]}\n{r[scol['S']]}" for r in srows], speed, color="tab:green")
-ax[1].axhline(1 / 0.07, ls="--", c="gray", lw=1, label="ideal at 7 % (14.3x)")
-ax[1].set_ylabel("speedup vs dense decode")
-ax[1].set_title("sparse draft attention at 7 % (H200, BENCHMARKS.md)")
-ax[1].legend(fontsize=8)
-fig.tight_layout()
-
-# %% [markdown]
-# The targets these numbers were measured against, and which ones are missed and why
-# (capture overhead, top-k cost), are stated in the file's "Targets" section:
-
-# %%
-display(Markdown(section("Targets")))
+# Run on a GPU, this notebook compiles the same kernels with Triton instead of
+# interpreting them. Their timings, against the dense kernels and the read ceiling, and the
+# end-to-end tables are in `RESULTS.md`; `python -m benchmarks.kernels` and
+# `python -m benchmarks.kernel_profile` measure them.

@@ -8,11 +8,13 @@ interpreter running the tests, with notebooks/ as its working directory and the 
 on PYTHONPATH (so the install cell finds vegas_jax importable and installs nothing). Any
 cell error fails the test.
 
-The slow test runs each notebook at smaller sizes than its committed run (shorter prompts,
-fewer new tokens: QUICK below), papermill-style: each notebook keeps its sizes in one
-parameters cell (its source starts with "# Parameters"), and the test inserts a cell of
-overrides right after it. Every cell of the notebook still runs, with all its checks
-(e.g. speculative output == plain decoding); only the sizes shrink.
+The slow test runs the three notebooks at once, each at smaller sizes than its committed
+run (shorter prompts, fewer new tokens, fewer sweep points: QUICK below), papermill-style:
+each notebook keeps its sizes in one parameters cell (its source starts with
+"# Parameters"), and the test inserts a cell of overrides right after it. Every cell of
+the notebook still runs, with all its checks (e.g. speculative output == plain decoding);
+only the sizes shrink. A fast test also keeps the notebooks on the current API (no deleted
+module, option or method) and their text free of dated measurements.
 
 To refresh the committed outputs after editing a notebook (on a CPU, a few minutes):
 
@@ -26,6 +28,7 @@ import os
 import re
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -37,16 +40,18 @@ ROOT = Path(__file__).resolve().parent.parent
 NB_DIR = ROOT / "notebooks"
 NOTEBOOKS = ["01_quickstart.ipynb", "02_why_vegas_works.ipynb", "03_kernels.ipynb"]
 
-# Each notebook takes ~1-3 min on a 2-core CPU at its own sizes; this cap only catches
-# gross regressions (a shared, loaded CI machine can be 2-3x slower).
+# Each notebook takes minutes on a 2-core CPU at its own sizes, and the slow test runs all
+# three at once; this cap only catches gross regressions (a shared, loaded CI machine can
+# be several times slower).
 MAX_SECONDS = 600
 # The slow test's sizes (CI time), in place of the parameters cell's values. The prompts
 # stay longer than the default draft budget floor (256 tokens), so drafts are sparse.
 PARAMS_MARKER = "# Parameters"
 QUICK = {
     "01_quickstart.ipynb": dict(PROMPT_TOKENS=500, N_NEW=16),
-    # N_GEN 14: two verify windows of gamma + 1 = 7 tokens for section 2's analysis
-    "02_why_vegas_works.ipynb": dict(PROMPT_TOKENS=400, N_GEN=14),
+    # N_GEN 14: two verify windows of gamma + 1 = 7 tokens for section 2's analysis;
+    # section 5's sweep reuses section 4's sparsity and adds one
+    "02_why_vegas_works.ipynb": dict(PROMPT_TOKENS=400, N_GEN=14, SPARSITIES=[0.05, 0.15]),
     "03_kernels.ipynb": {},
 }
 # Committed outputs stay readable on a repository page: no long text dumps.
@@ -143,10 +148,59 @@ def test_notebook_pair_in_sync(name):
         f"{name} and {paired.name} differ: jupytext --sync notebooks/{name}")
 
 
+# Names the notebooks must not use: modules and options the library no longer has.
+GONE = [r"vegas_jax\.runtime", r"vegas_jax\.selection", r"ExecConfig\(attn=",
+        r"\battn_impl\b", r"SpecConfig\([^)]*exact=", r"kernels_runnable_here"]
+# Text cells carry no measurements of their own: no dates, no cards (RESULTS.md has them).
+STALE = [r"\b20\d\d-\d\d-\d\d\b", r"\bH[12]00\b", r"BENCHMARKS\.md"]
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_notebook_uses_the_current_api(name):
+    """No cell uses a deleted module or option, every method a code cell names by string is
+    the library's or a study plug-in's, and no text cell quotes a dated measurement."""
+    from benchmarks.methods import PLUGINS
+    from vegas_jax.methods import METHODS
+
+    nb = nbformat.read(str(NB_DIR / name), as_version=4)
+    for i, c in enumerate(nb.cells):
+        for pat in GONE:
+            assert not re.search(pat, c.source), f"{name}, cell {i}: uses {pat}"
+        if c.cell_type == "markdown":
+            for pat in STALE:
+                assert not re.search(pat, c.source), f"{name}, cell {i}: stale {pat}"
+        else:
+            for m in re.findall(r"method=\"([\w-]+)\"", c.source):
+                assert m in METHODS or m in PLUGINS, f"{name}, cell {i}: method {m!r}"
+    names = re.findall(r"`([a-z]+(?:-[a-z]+)*)`", "".join(
+        c.source for c in nb.cells if c.cell_type == "markdown"))
+    for m in names:  # a method-like name in backticks that looks like ours
+        if m.startswith("vegas-"):
+            assert m in METHODS or m in PLUGINS, f"{name}: text names method {m!r}"
+
+
+@pytest.fixture(scope="module")
+def quick_runs():
+    """run(name) -> (executed notebook, seconds) of the slow test's run of `name`. The
+    first call starts every notebook's run at once, each in its own kernel process (the
+    file's tests share one xdist worker: one after another, the others' cores would sit
+    idle); the pool is shut down with the module."""
+    pool = ThreadPoolExecutor(max_workers=len(NOTEBOOKS))
+    futures = {}
+
+    def run(name):
+        if not futures:
+            futures.update({n: pool.submit(execute, n, QUICK[n]) for n in NOTEBOOKS})
+        return futures[name].result()
+
+    yield run
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", NOTEBOOKS)
-def test_notebook_runs(name):
-    nb, seconds = execute(name, QUICK[name])
+def test_notebook_runs(name, quick_runs):
+    nb, seconds = quick_runs(name)
     print(f"{name}: {seconds:.0f} s")
     assert seconds < MAX_SECONDS, f"{name} took {seconds:.0f} s"
     # the install cell must not have installed anything: vegas_jax came from this checkout

@@ -1,9 +1,12 @@
-"""benchmarks/tau_study.py: the grid it walks, its interval, its prompts, and one real cell
-on a tiny model (methods on the same sequences, a shared prefill that changes nothing)."""
+"""benchmarks/tau_study.py and its plug-ins (benchmarks/methods.py): the grid it walks, its
+interval, its prompts, the plug-ins' selections, and one real cell on a tiny model (the
+library's methods and the plug-ins on the same sequences, a shared prefill that changes
+nothing)."""
 
 import numpy as np
 import pytest
 
+from benchmarks import methods as bm
 from benchmarks import tau_study as ts
 
 
@@ -34,13 +37,13 @@ def test_ratio_interval_is_paired_and_covers_the_ratio():
 
 @pytest.fixture(scope="module")
 def smollm2_tokenizer():
-    import jax.numpy as jnp
+    from vegas_jax.checkpoint import gguf
+    from vegas_jax.loading import default_gguf_path
 
-    from vegas_jax.loading import load_model
-
-    return load_model(dtype=jnp.float32).tokenizer
+    return gguf.read_tokenizer(gguf.open_gguf(default_gguf_path()))
 
 
+@pytest.mark.slow
 def test_prompts_are_disjoint_and_of_the_asked_length(smollm2_tokenizer):
     tok = smollm2_tokenizer
     raw = ts.prompts_for(tok, "prose", 256, 3)
@@ -53,6 +56,7 @@ def test_prompts_are_disjoint_and_of_the_asked_length(smollm2_tokenizer):
     assert tok.decode(chat[0][-8:]).strip().endswith("assistant")
 
 
+@pytest.mark.slow
 def test_one_cell_on_a_tiny_model(monkeypatch):
     from tests.tiny import tiny_model
 
@@ -60,10 +64,11 @@ def test_one_cell_on_a_tiny_model(monkeypatch):
     rng = np.random.default_rng(1)
     monkeypatch.setattr(ts, "prompts_for", lambda tok, kind, ctx, n: [
         rng.integers(0, 100, size=ctx).tolist() for _ in range(n)])
+    methods = ["vegas", "vegas-all", "vegas-accepted", "stream"]
     rows = ts.run_cell(m, "prose", 300, 0.07, 3, _args(seqs=3, new_tokens=24, batch=None,
-                                                        min_tokens=8))
+                                                        min_tokens=8, methods=methods))
     by = {r["method"]: r for r in rows}
-    assert set(by) == {"vegas", "stream"}
+    assert list(by) == methods
     assert all(r["equal_to_first_method"] == 3 for r in rows)  # greedy: the same tokens
     assert by["stream"]["vs_stream"] == 1.0
     assert by["vegas"]["tau"] == pytest.approx(np.mean(by["vegas"]["tau_by_sequence"]))
@@ -72,6 +77,49 @@ def test_one_cell_on_a_tiny_model(monkeypatch):
     assert "| prose | 300 | 0.07 | 3 | vegas |" in table
     assert "| prose | 300 | 0.07 | 3 | vegas | %.3f | %.3f [" % (
         by["vegas"]["tau"], by["vegas"]["vs_stream"]) in table
+
+
+def test_plugins_by_name():
+    from vegas_jax.attention import Capture
+    from vegas_jax.methods import METHODS
+    from vegas_jax.speculative import SpecConfig
+
+    assert set(bm.PLUGINS) == {"vegas-all", "vegas-accepted"}
+    assert not set(bm.PLUGINS) & set(METHODS)
+    for name, method in bm.PLUGINS.items():
+        assert bm.method_of(name) is method
+        assert SpecConfig(method=method).name == name  # the stats' "method"
+    assert bm.method_of("vegas") is METHODS["vegas"]
+    with pytest.raises(ValueError, match="unknown method"):
+        bm.method_of("vegas-heads")
+    spec = SpecConfig(gamma=3)
+    assert bm.PLUGINS["vegas-all"].capture(spec) == Capture((0, 1, 2, 3), "mean")
+    assert bm.PLUGINS["vegas-all"].takes_raw(spec)  # a mean: the kernels' raw path serves it
+    assert bm.PLUGINS["vegas-accepted"].capture(spec) == Capture((0, 1, 2, 3), "rows")
+    assert not bm.PLUGINS["vegas-accepted"].takes_raw(spec)
+    assert bm.VegasAll(decay=0.5).name == "vegas-all-decay"
+    assert bm.PLUGINS["vegas-all"] != METHODS["vegas-paper"]  # same fields, another class
+
+
+def test_accepted_rows_average_into_the_pair_selection(monkeypatch):
+    """vegas-accepted hands the library's selection (`VerifyGuided.update`, here replaced by
+    a recorder) the mean of rows 0..n_acc: each sequence's own accepted rows, none of the
+    rejected ones."""
+    import jax
+    import jax.numpy as jnp
+
+    from vegas_jax.methods import VerifyGuided
+    from vegas_jax.speculative import SpecConfig
+
+    monkeypatch.setattr(VerifyGuided, "update",
+                        lambda self, spec, sel, scores, cache, n, n_acc, xc: scores)
+    L, b, g, s = 2, 3, 3, 16
+    scores = jax.random.uniform(jax.random.PRNGKey(0), (L, b, g + 1, s))
+    n_acc = jnp.array([0, 2, 3], jnp.int32)
+    got = bm.PLUGINS["vegas-accepted"].update(SpecConfig(gamma=g), None, scores, None,
+                                              None, n_acc, None)
+    want = jnp.stack([scores[:, i, :int(a) + 1].mean(1) for i, a in enumerate(n_acc)], 1)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6)
 
 
 def test_pooled_table_puts_every_kind_together():
