@@ -65,18 +65,25 @@ def whole(shape):
     return pl.BlockSpec(tuple(shape), lambda *_: (0,) * len(shape))
 
 
-def combine_splits(o, m, l, *, base2: bool = False):
+def combine_splits(o, m, l, *, base2: bool = False, ordered: bool = False):
     """Merge flash-decoding partial results along axis 2.
 
     o [b, k, J, R, d] unnormalised outputs, m [b, k, J, R] running maxima, l [b, k, J, R]
-    running sums (in log2 units when base2). Returns (out [b, k, R, d] fp32, lse [b, k, R]
-    in the same units)."""
+    running sums (in log2 units when base2). ordered: the splits are added one after
+    another (a row's result then never depends on the other rows or the batch). Returns
+    (out [b, k, R, d] fp32, lse [b, k, R] in the same units)."""
     # The barrier stops XLA from fusing the max into every consumer (recomputed per use).
     mx = lax.optimization_barrier(m.max(axis=2))  # [b, k, R]
     w = jnp.exp2(m - mx[:, :, None]) if base2 else jnp.exp(m - mx[:, :, None])
-    lsum = (l * w).sum(axis=2)
+    if ordered:
+        lsum, acc = l[:, :, 0] * w[:, :, 0], o[:, :, 0] * w[:, :, 0, :, None]
+        for j in range(1, o.shape[2]):
+            lsum = lsum + l[:, :, j] * w[:, :, j]
+            acc = acc + o[:, :, j] * w[:, :, j, :, None]
+    else:
+        lsum, acc = (l * w).sum(axis=2), (o * w[..., None]).sum(axis=2)
     lsafe = jnp.where(lsum == 0.0, 1.0, lsum)
-    out = (o * w[..., None]).sum(axis=2) / lsafe[..., None]
+    out = acc / lsafe[..., None]
     lse = mx + (jnp.log2(lsafe) if base2 else jnp.log(lsafe))
     return out, lse
 

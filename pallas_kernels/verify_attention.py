@@ -143,7 +143,9 @@ class VerifyBlocks:
     largest t * g run as one query block; row_block: rows a program in prefill;
     target_programs: the grid aimed at when choosing key splits; min_split: shortest key
     split; cap_dtype: dtype of the captured logits; waves: choose the split count by
-    `wave_splits` (more splits, up to 1.5x, where they fill the grid's last wave)."""
+    `wave_splits` (more splits, up to 1.5x, where they fill the grid's last wave).
+    split_keys: a row-invariant plan (`INVARIANT`): keys cut into splits of this length
+    whatever the batch and rows, fixed tiles, the splits combined in order."""
 
     block_k: int | None = None
     num_warps: int | None = None
@@ -154,6 +156,13 @@ class VerifyBlocks:
     min_split: int = 512
     cap_dtype: Any = jnp.float16
     waves: bool = True
+    split_keys: int | None = None
+
+
+# A row's output depends only on its query, position and the cache: decode rows and verify
+# rows agree bit for bit (rows stay under 64 a program, one kind of tensor-core tile).
+INVARIANT = VerifyBlocks(block_k=64, num_warps=4, num_stages=2, max_rows=32, row_block=32,
+                         waves=False, split_keys=1024)
 
 
 def _verify_kernel(layer_ref, *refs, block_k, split_len, s_len, scale, rows, kh, normalize,
@@ -466,10 +475,11 @@ def capture_scores(cbuf, lse, rowpos, w, s, rowlo=None, *,
 
 
 def _plan(b, kh, t, g, s, *, max_rows, row_block, target_programs, block_k, min_split,
-          resident=None):
+          resident=None, split_keys=None):
     """Static launch plan: (rows per program, tokens per query block, query blocks, splits,
     split length). resident: programs the GPU runs at once; given, the split count is
-    chosen to fill the last wave (`wave_splits`)."""
+    chosen to fill the last wave (`wave_splits`). split_keys: splits of that many keys,
+    whatever the batch and rows."""
     if t * g <= max_rows:
         rows = pow2_at_least(t * g)
         tq = t
@@ -477,6 +487,9 @@ def _plan(b, kh, t, g, s, *, max_rows, row_block, target_programs, block_k, min_
         tq = max(1, row_block // g)
         rows = pow2_at_least(tq * g)
     nqb = -(-t // tq)
+    if split_keys is not None:
+        split_len, j = key_splits(s, -(-s // split_keys), block_k)
+        return rows, tq, nqb, j, split_len
     per = b * kh * nqb
     max_splits = max(1, -(-s // max(min_split, block_k)))
     j = max(1, min(max_splits, -(-target_programs // per)))
@@ -552,7 +565,8 @@ def verify_attention(
         b, kh, t, g, s, max_rows=blocks.max_rows, row_block=blocks.row_block,
         target_programs=blocks.target_programs, block_k=bk, min_split=blocks.min_split,
         # wave filling pays where two or more programs share an SM; at one it was slower
-        resident=sm_count() * per_sm if blocks.waves and decode_like and per_sm > 1 else None)
+        resident=sm_count() * per_sm if blocks.waves and decode_like and per_sm > 1 else None,
+        split_keys=blocks.split_keys)
     resolved = dataclasses.replace(
         blocks, block_k=bk, num_warps=blocks.num_warps or (4 if rows <= 64 else 8),
         num_stages=stages)
@@ -599,7 +613,7 @@ def verify_attention(
         out = o[:, :, 0]  # [b, k, R, d]
         lse = m[:, :, 0]  # [b, k, R], log2 units
     else:
-        out, lse = combine_splits(o, m, l, base2=True)
+        out, lse = combine_splits(o, m, l, base2=True, ordered=blocks.split_keys is not None)
         out = out.astype(q.dtype)
     if sinks is not None:  # each row's head's sink (row = token * g + head in a block)
         per_block = jnp.pad(jnp.tile(sinks, (1, tq)), ((0, 0), (0, rows - tq * g)))

@@ -25,7 +25,7 @@ from pallas_kernels.sparse_attention import (
     sparse_attention, sparse_attention_reference, sparse_step,
 )
 from pallas_kernels.verify_attention import (
-    capture_buffer, verify_attention, verify_attention_reference,
+    INVARIANT, capture_buffer, verify_attention, verify_attention_reference,
 )
 from vegas_jax.sharding import AXIS, mesh
 
@@ -166,15 +166,18 @@ def attention(plan: AttnPlan, xc, q, k_cache, v_cache, layer, positions, *, wind
         cap = plan.capture
         kw = {} if cap is None else dict(capture=cap.reduce, capture_rows=cap.rows,
                                          score=cap.score)
-        if xc.pallas:
+        kernel = xc.pallas or xc.exact  # exact: the row-invariant plan on either backend
+        if kernel:
             kw["interpret"] = xc.interpret
+        if xc.exact:
+            kw["blocks"] = INVARIANT
         if capture_into is not None:
             return verify_attention(q, k_cache, v_cache, layer, positions, **kw,
                                     capture_into=capture_into, sinks=sinks)
-        fn = verify_attention if xc.pallas else verify_attention_reference
-        # cuDNN's flash attention has no fp32, windows or sinks
-        if plan.fresh and xc.cudnn_prefill and cap is None and window is None \
-                and sinks is None and q.dtype != jnp.float32:
+        fn = verify_attention if kernel else verify_attention_reference
+        # cuDNN's flash attention has no fp32, windows or sinks (nor a row-invariant plan)
+        if plan.fresh and xc.cudnn_prefill and not xc.exact and cap is None \
+                and window is None and sinks is None and q.dtype != jnp.float32:
             kw["prefill_impl"] = "cudnn"
 
         names, extra, especs = _extras(window=window, sinks=sinks)

@@ -24,8 +24,10 @@ class ExecConfig:
       "unrolled" runs one buffer per layer (no per-layer slicing, less host work a call);
       auto: unrolled on a GPU, scan elsewhere.
     tp: tensor-parallel degree (attention heads and MLP width split over tp devices).
-    exact: the verify runs row by row as plain decode steps, so greedy speculative output
-      equals plain decoding's at the same batch size bit for bit in any dtype."""
+    exact: prefill, decode and verify run row-invariant kernels (fixed-tile matmuls, one
+      attention plan whatever the rows and batch; on a CPU interpreted): a row's logits never
+      depend on the rows computed with it, so greedy speculative output equals plain
+      decoding bit for bit in bf16 too, at any batch size. Drafts keep the fast kernels."""
 
     backend: str = "auto"
     layers: str = "auto"
@@ -39,6 +41,8 @@ class ExecConfig:
             raise ValueError(f"layers must be one of {LAYERS}, got {self.layers!r}")
         if int(self.tp) != self.tp or self.tp < 1:
             raise ValueError(f"tp must be a whole number >= 1, got {self.tp}")
+        if self.exact and self.tp > 1:
+            raise ValueError("exact=True runs on one device: use tp=1")
 
     def resolve(self) -> "ExecConfig":
         """The "auto" fields decided for JAX's default backend."""

@@ -23,6 +23,7 @@ import numpy as np
 from jax import lax
 
 from pallas_kernels import draft_mlp, grouped_matmul
+from pallas_kernels.matmul import matmul
 from pallas_kernels.sparse_attention import rope_halves
 from vegas_jax.attention import (
     AttnPlan, RawCapture, attention, capture_start, fused_draft, sparse_block,
@@ -42,6 +43,14 @@ def mm(spec, a, b):
     XLA would use TF32 by default, and fp32 results must not depend on the batch shape)."""
     return jnp.einsum(spec, a, b, precision=lax.Precision.HIGHEST if a.dtype == jnp.float32
                       else None)
+
+
+def linear(x, w, inv: bool, xc: ExecConfig, transpose_w: bool = False):
+    """x [..., h] @ w [h, n] (w [n, h] with transpose_w). inv: through the row-invariant
+    kernel (`ExecConfig.exact`), whose rows never depend on the rows beside them."""
+    if inv:
+        return matmul(x, w, transpose_w=transpose_w, interpret=xc.interpret)
+    return mm("...h,nh->...n" if transpose_w else "...h,hn->...n", x, w)
 
 
 def rms_norm(x, w, eps):
@@ -87,7 +96,8 @@ def _layer(cfg: ModelConfig, xc: ExecConfig, write: bool, plan: AttnPlan, cos, s
     # its kernel (it commutes with the projection); the verify keeps the model's exact order
     scaled_in_kernel = fused and lp.attn_norm is None
     h = x if scaled_in_kernel else rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
-    qkv = mm("bth,hn->btn", h, lp.w_qkv)  # [b, t, (n + 2k)*d]
+    inv = xc.exact and plan.mode == "causal"  # prefill, decode, verify: row-invariant
+    qkv = linear(h, lp.w_qkv, inv, xc)  # [b, t, (n + 2k)*d]
     if lp.b_qkv is not None:
         qkv = qkv + lp.b_qkv
     if fused:  # the attention block in one kernel
@@ -120,8 +130,8 @@ def _layer(cfg: ModelConfig, xc: ExecConfig, write: bool, plan: AttnPlan, cos, s
                           sinks=sinks, slot=slot, capture_into=cap_buf[0] if cap_buf else None)
     if cap_buf:
         cap_buf, scores = scores
-        return _mlp(cfg, xc, x, o, lp), k_cache, v_cache, cap_buf, scores
-    return _mlp(cfg, xc, x, o, lp), k_cache, v_cache, scores
+        return _mlp(cfg, xc, x, o, lp, inv=inv), k_cache, v_cache, cap_buf, scores
+    return _mlp(cfg, xc, x, o, lp, inv=inv), k_cache, v_cache, scores
 
 
 def draft_mlp_kernel(xc: ExecConfig, lp: LayerParams, rows: int) -> bool:
@@ -137,11 +147,12 @@ def draft_mlp_kernel(xc: ExecConfig, lp: LayerParams, rows: int) -> bool:
             is not None)
 
 
-def _mlp(cfg: ModelConfig, xc: ExecConfig, x, o, lp: LayerParams, draft: bool = False):
+def _mlp(cfg: ModelConfig, xc: ExecConfig, x, o, lp: LayerParams, draft: bool = False,
+         inv: bool = False):
     """The layer after attention: output projection, residual, MLP, residual. draft: a
-    fused draft layer's (`draft_mlp_kernel`)."""
+    fused draft layer's (`draft_mlp_kernel`); inv: row-invariant matmuls."""
     b, t, _ = x.shape
-    attn = mm("btn,nh->bth", o.reshape(b, t, -1).astype(x.dtype), lp.wo)
+    attn = linear(o.reshape(b, t, -1).astype(x.dtype), lp.wo, inv, xc)
     x = x + (attn if lp.bo is None else attn + lp.bo)
     if draft and draft_mlp_kernel(xc, lp, b * t):
         act = draft_mlp.norm_gate_up(x.reshape(b * t, -1), lp.w_gate_up, eps=cfg.rms_norm_eps,
@@ -150,12 +161,12 @@ def _mlp(cfg: ModelConfig, xc: ExecConfig, x, o, lp: LayerParams, draft: bool = 
     h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
     if cfg.is_moe:
         return x + _moe(cfg, h, lp, functools.partial(grouped_matmul.ragged_dot, impl=xc.moe))
-    gate_up = mm("bth,hf->btf", h, lp.w_gate_up)  # [b, t, 2f], per shard [gate_i | up_i]
+    gate_up = linear(h, lp.w_gate_up, inv, xc)  # [b, t, 2f], per shard [gate_i | up_i]
     gate_up = gate_up.reshape(b, t, xc.tp, -1)
     f = cfg.intermediate_size // xc.tp
     gate = gate_up[..., :f].reshape(b, t, -1)  # [b, t, f]
     up = gate_up[..., f:].reshape(b, t, -1)
-    return x + mm("btf,fh->bth", jax.nn.silu(gate) * up, lp.w_down)
+    return x + linear(jax.nn.silu(gate) * up, lp.w_down, inv, xc)
 
 
 def moe_route(cfg: ModelConfig, x, lp: LayerParams):
@@ -292,10 +303,11 @@ def forward(
     if logits_at is not None:
         x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)  # [b, 1, h]
     x = rms_norm(x, params.final_norm, cfg.rms_norm_eps)
+    inv = xc.exact and plan.mode == "causal"
     if params.lm_head is None:
-        logits = mm("bth,vh->btv", x, params.embed)
+        logits = linear(x, params.embed, inv, xc, transpose_w=True)
     else:
-        logits = mm("bth,hv->btv", x, params.lm_head)
+        logits = linear(x, params.lm_head, inv, xc)
     return logits.astype(jnp.float32), cache.replace(k=k_cache, v=v_cache), scores
 
 

@@ -101,34 +101,12 @@ def verify_phase(params, cfg: ModelConfig, xc: ExecConfig, cache: KVCache, x0, d
                  capture: Capture | None, active=None):
     """Full causal attention over x0, d_1..d_gamma at positions n..n+gamma: rewrites their
     K/V and, in the same attention call, captures the next selection's scores. active [b]
-    (or None): finished sequences, False, read no cache. `xc.exact`: row by row.
+    (or None): finished sequences, False, read no cache.
     Returns (logits [b, gamma + 1, v], cache, scores | None)."""
     n = cache.lengths
     vtok = jnp.concatenate([x0[:, None], drafts], axis=1)
     vpos = n[:, None] + jnp.arange(drafts.shape[1] + 1, dtype=jnp.int32)
-    if xc.exact:
-        return _verify_rows(params, cfg, xc, cache, vtok, vpos, capture, active)
     return forward(params, cfg, xc, vtok, vpos, cache, AttnPlan(capture=capture, active=active))
-
-
-def _verify_rows(params, cfg, xc, cache, vtok, vpos, capture, active):
-    """The verify as one-token forwards in a scan, each shaped as a plain decode step (a
-    batched verify rounds its rows differently). Each row captures its own scores, which
-    are then combined as `capture` says."""
-    one = None if capture is None else Capture((0,), "mean", capture.score)
-
-    def step(cache, xs):
-        tok, pos = xs  # [b], [b]
-        logits, cache, sc = forward(params, cfg, xc, tok[:, None], pos[:, None], cache,
-                                    AttnPlan(capture=one, active=active))
-        return cache, (logits[:, 0], sc)
-
-    cache, (logits, scores) = lax.scan(step, cache, (vtok.T, vpos.T))
-    logits = logits.swapaxes(0, 1)  # [b, gamma + 1, v]
-    if capture is None:
-        return logits, cache, None
-    rows = scores[jnp.asarray(capture.rows)]  # [r, L, b, s]
-    return logits, cache, jnp.moveaxis(rows, 0, 2) if capture.reduce == "rows" else rows.mean(0)
 
 
 def round_capture(spec: SpecConfig, cfg: ModelConfig, xc: ExecConfig,
@@ -136,7 +114,7 @@ def round_capture(spec: SpecConfig, cfg: ModelConfig, xc: ExecConfig,
     """What a round's verify captures: the method's capture, handed over raw (the logits
     for the selection's own kernel) where the method and the kernels allow it."""
     cap = spec.method.capture(spec)
-    if xc.exact or not spec.method.takes_raw(spec):
+    if not spec.method.takes_raw(spec):
         return cap
     return raw_capture(cap, cfg, xc, max_len)
 
