@@ -1,0 +1,126 @@
+"""Row-invariant execution (`ExecConfig(exact=True)`): a row's result never depends on the
+rows computed with it, so greedy speculative decoding equals plain decoding bit for bit in
+bf16. Kernels in interpret mode on the CPU."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.matmul import MatmulBlocks, matmul, matmul_reference
+from pallas_kernels.verify_attention import INVARIANT, verify_attention
+from tests.tiny import tiny_model
+from vegas_jax import ExecConfig, SpecConfig, generate, speculative_generate
+from vegas_jax.attention import AttnPlan
+from vegas_jax.cache import init_cache
+from vegas_jax.model import forward
+from vegas_jax.params import layout_params
+
+BF16 = jnp.bfloat16
+
+
+@pytest.mark.parametrize("transpose_w", [False, True])
+def test_matmul_matches_reference_and_rows_are_invariant(transpose_w):
+    kx, kw = jax.random.split(jax.random.PRNGKey(0))
+    x = jax.random.normal(kx, (37, 200), BF16)
+    w = jax.random.normal(kw, (150, 200) if transpose_w else (200, 150), BF16) * 0.1
+    full = matmul(x, w, transpose_w=transpose_w, interpret=True)
+    ref = matmul_reference(x, w, transpose_w=transpose_w)
+    np.testing.assert_allclose(np.asarray(full, np.float32), np.asarray(ref, np.float32),
+                               rtol=2e-2, atol=2e-2)
+    one = matmul(x[5:6], w, transpose_w=transpose_w, interpret=True)  # a decode step's row
+    seven = matmul(x[3:10], w, transpose_w=transpose_w, interpret=True)  # inside a verify
+    padded = jnp.concatenate([x[5:6], jnp.zeros((4, 200), BF16)])  # a batch of 5, padded
+    five = matmul(padded, w, transpose_w=transpose_w, interpret=True)
+    assert jnp.array_equal(full[5], one[0])
+    assert jnp.array_equal(full[5], seven[2])
+    assert jnp.array_equal(full[5], five[0])
+
+
+def test_matmul_rejects_a_weight_of_the_wrong_shape():
+    with pytest.raises(ValueError, match="w must be"):
+        matmul(jnp.zeros((4, 8), BF16), jnp.zeros((9, 3), BF16), interpret=True)
+
+
+def test_matmul_tiles_are_an_argument():
+    x = jnp.ones((3, 40), BF16)
+    w = jnp.ones((40, 24), BF16)
+    small = MatmulBlocks(block_m=16, block_k=16, block_n=16)
+    assert jnp.array_equal(matmul(x, w, blocks=small, interpret=True), matmul_reference(x, w))
+
+
+def test_invariant_attention_rows_equal_decode_rows():
+    L, b, kh, s, d, g = 2, 5, 3, 2048 + 128, 64, 3
+    ks = jax.random.split(jax.random.PRNGKey(1), 3)
+    kc = jax.random.normal(ks[0], (L, b, kh, s, d), BF16)
+    vc = jax.random.normal(ks[1], (L, b, kh, s, d), BF16)
+    n = jnp.array([1500, 700, 2000, 30, 1999])
+    q7 = jax.random.normal(ks[2], (b, 7, kh, g, d), BF16)
+    pos7 = n[:, None] + jnp.arange(7)
+    run = lambda q, k, v, p, **kw: verify_attention(q, k, v, 1, p, interpret=True,  # noqa: E731
+                                                     blocks=INVARIANT, **kw)[0]
+    o7 = run(q7, kc, vc, pos7)
+    assert jnp.array_equal(o7[:, 0], run(q7[:, :1], kc, vc, pos7[:, :1])[:, 0])
+    alone = run(q7[2:3, 3:4], kc[:, 2:3], vc[:, 2:3], pos7[2:3, 3:4])
+    assert jnp.array_equal(o7[2, 3], alone[0, 0])
+    # the capture side output changes nothing in the attention's output
+    assert jnp.array_equal(o7, run(q7, kc, vc, pos7, capture="mean", capture_rows=(0, 6)))
+
+
+@pytest.fixture(scope="module")
+def tiny_bf16():
+    return tiny_model(scale=0.3, dtype=BF16)
+
+
+def test_forward_row_is_the_same_in_a_decode_step_a_verify_and_a_padded_batch(tiny_bf16):
+    m = tiny_bf16
+    cfg = m.config
+    xc = ExecConfig(backend="pallas", layers="scan", exact=True).resolve()
+    params = layout_params(m.params, xc)
+    rng = np.random.default_rng(0)
+    b, s, n = 5, 256, 40
+    toks = jnp.asarray(rng.integers(0, cfg.vocab_size, (b, n + 7)), jnp.int32)
+    cache = init_cache(cfg, b, s, BF16)
+    pos = jnp.broadcast_to(jnp.arange(n), (b, n))
+    _, cache, _ = forward(params, cfg, xc, toks[:, :n], pos, cache, AttnPlan())
+    vpos = n + jnp.broadcast_to(jnp.arange(7), (b, 7))
+    verify, _, _ = forward(params, cfg, xc, toks[:, n:], vpos, cache, AttnPlan())
+    step, _, _ = forward(params, cfg, xc, toks[:, n:n + 1], vpos[:, :1], cache, AttnPlan())
+    assert jnp.array_equal(verify[:, 0], step[:, 0])  # [b, v] logits
+    one = cache.replace(k=cache.k[:, 2:3], v=cache.v[:, 2:3], lengths=cache.lengths[2:3])
+    alone, _, _ = forward(params, cfg, xc, toks[2:3, n:n + 1], vpos[2:3, :1], one, AttnPlan())
+    assert jnp.array_equal(alone[0, 0], step[2, 0])
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = np.random.default_rng(3)
+    return [rng.integers(0, 100, size=k).tolist() for k in (37, 150, 300)]
+
+
+@pytest.mark.parametrize("backend", [pytest.param("xla", marks=pytest.mark.slow), "pallas"])
+def test_exact_vanilla_alone_equals_the_batch(tiny_bf16, prompts, backend):
+    xc = ExecConfig(backend=backend, exact=True)
+    batch = generate(tiny_bf16, prompts, 16, exec_config=xc).tokens
+    assert [generate(tiny_bf16, [p], 16, exec_config=xc).tokens[0] for p in prompts] == batch
+
+
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize("method", ["vegas", pytest.param("vegas-paper", marks=SLOW),
+                                    pytest.param("last", marks=SLOW), "stream",
+                                    pytest.param("quest", marks=SLOW),
+                                    pytest.param("auto", marks=SLOW)])
+def test_exact_greedy_speculative_equals_vanilla_in_bf16(tiny_bf16, prompts, method):
+    xc = ExecConfig(backend="pallas", exact=True)
+    ref = generate(tiny_bf16, prompts, 16, exec_config=xc)
+    out = speculative_generate(tiny_bf16, prompts, 16, SpecConfig(method=method, gamma=3,
+                                                                  min_tokens=8), exec_config=xc)
+    assert out.tokens == ref.tokens
+    assert out.stats["rounds"] > 0
+
+
+def test_exact_refuses_what_it_cannot_make_invariant():
+    with pytest.raises(ValueError, match="one device"):
+        ExecConfig(exact=True, tp=2)
