@@ -11,7 +11,7 @@ from vegas_jax.attention import CAUSAL
 from vegas_jax.execution import ExecConfig
 from vegas_jax.model import forward
 
-XLA = ExecConfig("xla", "triton", "scan")
+XLA = ExecConfig(backend="xla", layers="scan")
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
@@ -31,8 +31,9 @@ def hf_logits(hf_model, ids):
 MAX_LEN = 64  # cache positions of the comparison runs
 
 
-def ragged_prefill(params, cfg, prompts):
-    """Our prefill of a right-padded ragged batch (padding writes past the cache, dropped).
+def ragged_prefill(params, cfg, prompts, max_len: int = MAX_LEN):
+    """Our prefill of a right-padded ragged batch (padding writes past the cache, dropped)
+    into a cache of `max_len` positions.
     Returns (logits [b, width, v], cache with lengths = the prompts')."""
     import jax.numpy as jnp
     import numpy as np
@@ -41,11 +42,11 @@ def ragged_prefill(params, cfg, prompts):
 
     b, width = len(prompts), max(map(len, prompts))
     toks = np.zeros((b, width), np.int32)
-    pos = np.full((b, width), MAX_LEN, np.int32)
+    pos = np.full((b, width), max_len, np.int32)
     for i, p in enumerate(prompts):
         toks[i, : len(p)] = p
         pos[i, : len(p)] = np.arange(len(p))
-    cache = init_cache(cfg, b, MAX_LEN, jnp.float32)
+    cache = init_cache(cfg, b, max_len, jnp.float32)
     logits, cache, _ = xla_forward(params, cfg, jnp.asarray(toks), jnp.asarray(pos), cache)
     return logits, cache.replace(lengths=jnp.asarray([len(p) for p in prompts], jnp.int32))
 

@@ -1,5 +1,8 @@
-"""The attention dispatch: finished sequences skip their attention on the Pallas path
-(kernels in interpret mode), and every other row is what it was."""
+"""The attention dispatch and the fused draft layer on the Pallas path (on the CPU the
+kernels run in interpret mode by themselves): finished sequences skip their attention
+and every other row is what it was; a fused draft step (one kernel a layer for the
+attention block, the draft MLP kernel where the model allows it, rows padded to a
+multiple of 8) computes the XLA reference's draft step."""
 
 
 import jax
@@ -12,7 +15,8 @@ from vegas_jax.execution import ExecConfig
 from tests.tiny import tiny_config
 from tests import rand
 
-PALLAS = ExecConfig(attn="pallas", gemm="triton", layers="scan", draft="fused")
+PALLAS = ExecConfig(backend="pallas", layers="scan")
+XLA = ExecConfig(backend="xla", layers="scan")
 
 
 def _cache(L=2, b=3, kh=2, s=96, d=16, seed=0):
@@ -32,7 +36,7 @@ def _split_rows(full, skipped):
     np.testing.assert_array_equal(skipped[1], 0.0)
 
 
-def test_verify_rows_of_finished_sequences_read_nothing(pallas_interpret):
+def test_verify_rows_of_finished_sequences_read_nothing():
     kc, vc = _cache()
     b, t, kh, g, d = 3, 4, 2, 2, 16
     q = rand.normal(jax.random.PRNGKey(5), (b, t, kh, g, d))
@@ -43,13 +47,13 @@ def test_verify_rows_of_finished_sequences_read_nothing(pallas_interpret):
     _split_rows(full, out)
     _split_rows(sc_full, sc)
     # the XLA path is the reference: it computes every row
-    ref, _ = attention(AttnPlan(capture=cap, active=ACTIVE), ExecConfig(attn="xla"), q, kc, vc,
+    ref, _ = attention(AttnPlan(capture=cap, active=ACTIVE), XLA, q, kc, vc,
                        1, pos)
     np.testing.assert_allclose(np.asarray(ref)[1], np.asarray(full)[1], rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_sparse_drafts_of_finished_sequences_read_nothing(pallas_interpret, fused):
+@pytest.mark.parametrize("fused", [pytest.param(False, marks=pytest.mark.slow), True])
+def test_sparse_drafts_of_finished_sequences_read_nothing(fused):
     cfg = tiny_config(layers=2)
     kh, g, d = cfg.num_kv_heads, cfg.group_size, cfg.head_dim
     kc, vc = _cache(b=3, kh=kh, d=d)
@@ -73,124 +77,114 @@ def test_sparse_drafts_of_finished_sequences_read_nothing(pallas_interpret, fuse
     _split_rows(run(plan), run(plan.replace(active=ACTIVE)))
 
 
-def _draft_inputs(cfg):
-    """A 3-sequence cache of 96 positions, a sparse draft plan over it, the draft tokens and
-    their positions: (cache, plan, tokens [3, 1], positions [3, 1])."""
+def _draft_inputs(cfg, b=3):
+    """A b-sequence cache of 96 positions, a sparse draft plan over it, the draft tokens and
+    their positions: (cache, plan, tokens [b, 1], positions [b, 1])."""
     from vegas_jax.cache import KVCache
 
-    L, b, K = cfg.num_layers, 3, 12
+    L, K = cfg.num_layers, 12
     kc, vc = _cache(L=L, b=b, kh=cfg.num_kv_heads, s=96, d=cfg.head_dim)
-    cache = KVCache(k=kc, v=vc, lengths=jnp.array([63, 64, 65]))
+    n = 63 + jnp.arange(b, dtype=jnp.int32) % 3
+    cache = KVCache(k=kc, v=vc, lengths=n)
     idx = rand.randint(jax.random.PRNGKey(7), (L, b, K), 0, 50)
     plan = AttnPlan(mode="sparse", tail_len=5, idx=idx, count=jnp.full((L, b), K),
-                    tail_start=jnp.array([60, 61, 62]))
-    return cache, plan, jnp.array([[5], [17], [42]]), jnp.array([[63], [64], [65]])
+                    tail_start=n - 3)
+    tok = rand.randint(jax.random.PRNGKey(9), (b, 1), 0, cfg.vocab_size)
+    return cache, plan, tok, n[:, None]
 
 
-def test_merged_draft_layer_computes_the_fused_one(pallas_interpret):
-    """`ExecConfig(draft="merged")`: a draft step through the draft-only merged weights
-    (three matmuls a layer, the MLP's norm scale applied after its product) gives the
-    logits and cache of the fused draft step (fp32: to rounding); the weights are really
-    read (zeroing w_draft_o changes the logits); verify and plain decoding never read them."""
-    import dataclasses
-
-    from vegas_jax.model import forward, layout_params
+@pytest.fixture(scope="module")
+def folded():
+    """The tiny model with its norm weights folded, as `load_model` lays it out."""
+    from vegas_jax.params import layout_params
     from tests.tiny import tiny_model
 
     m = tiny_model(scale=0.3)
-    fused = dataclasses.replace(PALLAS, draft="fused")
-    merged = dataclasses.replace(PALLAS, draft="merged")
-    pf, pm = layout_params(m.params, fused), layout_params(m.params, merged)
-    assert pf.layers.w_draft_in is None and pm.layers.w_draft_in is not None
-    assert ExecConfig(draft="merged").resolve("cpu").draft == "fused"  # XLA path: no use
-    cfg = m.config
-    cache, plan, tok, pos = _draft_inputs(cfg)
-
-    def draft(p, xc):
-        logits, c, _ = forward(p, cfg, xc, tok, pos, cache, plan)
-        return np.asarray(logits), np.asarray(c.k)
-
-    (lf, kf), (lm, km) = draft(pf, fused), draft(pm, merged)
-    np.testing.assert_allclose(lm, lf, rtol=1e-4, atol=1e-4)
-    np.testing.assert_allclose(km, kf, rtol=1e-5, atol=1e-5)
-    broken = pm.replace(layers=pm.layers.replace(w_draft_o=jnp.zeros_like(pm.layers.w_draft_o)))
-    assert np.abs(draft(broken, merged)[0] - lf).max() > 1e-2
-    # a verify (dense plan) through the merged params ignores the draft-only weights
-    vf, _, _ = forward(pf, cfg, fused, tok, pos, cache, AttnPlan())
-    vm, _, _ = forward(broken, cfg, merged, tok, pos, cache, AttnPlan())
-    np.testing.assert_array_equal(np.asarray(vm), np.asarray(vf))
+    return m._replace(params=layout_params(m.params, PALLAS))
 
 
-def test_fused_mlp_draft_layer_computes_the_fused_one(pallas_interpret, monkeypatch):
-    """`ExecConfig(draft="fused-mlp")`: a draft step whose MLP input (norm row scale,
-    gate/up, activation) is one kernel gives the fused draft step's logits and cache (fp32:
-    to rounding; layer 0's K/V exactly); the kernel runs in drafts, never in a
-    verify (whose logits stay bit for bit the fused config's)."""
-    import dataclasses
+def _run(m, xc, cache, plan, tok, pos):
+    from vegas_jax.model import forward
 
+    logits, c, _ = forward(m.params, m.config, xc, tok, pos, cache, plan)
+    return np.asarray(logits), np.asarray(c.k), np.asarray(c.v)
+
+
+def test_fused_draft_step_equals_the_reference(folded):
+    """A draft step on the Pallas path (the attention block of each layer in one kernel,
+    the input norm's row scale applied inside it, 3 rows carried as 8) gives the XLA
+    reference's logits and cache (fp32: to rounding); a verify step too."""
+    cache, plan, tok, pos = _draft_inputs(folded.config)
+    (lp, kp, vp), (lx, kx, vx) = (_run(folded, xc, cache, plan, tok, pos) for xc in (PALLAS, XLA))
+    assert lp.shape == (3, 1, folded.config.vocab_size)
+    np.testing.assert_allclose(lp, lx, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(kp, kx, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(vp, vx, rtol=1e-5, atol=1e-5)
+    verify = [_run(folded, xc, cache, AttnPlan(), tok, pos)[0] for xc in (PALLAS, XLA)]
+    np.testing.assert_allclose(verify[0], verify[1], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_padded_draft_rows_change_nothing(folded, monkeypatch):
+    """A fused draft of 3 sequences carried as 8 rows (`model.ROW_PAD`: 5 padding rows
+    through every layer, dropped before the LM head) gives the unpadded draft's logits
+    and cache, and the padding rows write no cache entry."""
+    from vegas_jax import model as model_mod
+
+    assert model_mod.ROW_PAD == 8
+    cache, plan, tok, pos = _draft_inputs(folded.config)
+    lp, kp, vp = _run(folded, PALLAS, cache, plan, tok, pos)
+    monkeypatch.setattr(model_mod, "ROW_PAD", 1)
+    l1, k1, v1 = _run(folded, PALLAS, cache, plan, tok, pos)
+    np.testing.assert_allclose(lp, l1, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(kp, k1)
+    np.testing.assert_array_equal(vp, v1)
+
+
+def test_draft_mlp_kernel_where_the_model_allows(folded):
+    """`draft_mlp_kernel`: the fused draft layer's MLP input (norm row scale, gate/up,
+    activation) runs as one kernel on the Pallas path, one device, for a dense MLP whose
+    norm weight is folded, small weights and at least `draft_mlp.MIN_ROWS` rows."""
     from pallas_kernels import draft_mlp
-    from vegas_jax.model import forward, layout_params
+    from vegas_jax.model import draft_mlp_kernel
+    from vegas_jax.params import params_layer
     from tests.tiny import tiny_model
 
-    m = tiny_model(scale=0.3)
-    fused = dataclasses.replace(PALLAS, draft="fused")
-    mlp = dataclasses.replace(PALLAS, draft="fused-mlp")
-    assert ExecConfig(draft="fused-mlp").resolve("cpu").draft == "fused"  # XLA path: no use
-    with pytest.raises(ValueError, match="one device"):
-        ExecConfig(draft="fused-mlp", tp=2)
-    p = layout_params(m.params, mlp)
-    cfg = m.config
-    cache, plan, tok, pos = _draft_inputs(cfg)
+    lp, many = params_layer(folded.params), draft_mlp.MIN_ROWS
+    assert draft_mlp_kernel(PALLAS, lp, many)
+    assert not draft_mlp_kernel(PALLAS, lp, many - 1)  # too few rows: XLA's three kernels
+    assert not draft_mlp_kernel(XLA, lp, many)
+    assert not draft_mlp_kernel(ExecConfig(backend="pallas", tp=2), lp, many)
+    assert not draft_mlp_kernel(PALLAS, params_layer(tiny_model().params), many)  # norm kept
+    assert not draft_mlp_kernel(PALLAS, lp.replace(w_gate_up=None), many)  # MoE
+    big = lp.replace(w_gate_up=jnp.zeros((1024, 2 * 2048), jnp.float32))
+    assert not draft_mlp_kernel(PALLAS, big, many)  # weights over SMALL_BYTES
+
+
+@pytest.mark.slow
+def test_draft_mlp_kernel_draft_equals_the_reference(folded, monkeypatch):
+    """A draft step of MIN_ROWS sequences on the Pallas path runs the draft MLP kernel
+    (traced once: the layers run in a loop) and gives the logits and cache of the same
+    step with XLA's three MLP kernels (fp32: to rounding; layer 0's K/V, written before
+    any MLP, exactly); a verify never runs it."""
+    from pallas_kernels import draft_mlp
+
+    b = draft_mlp.MIN_ROWS
+    cache, plan, tok, pos = _draft_inputs(folded.config, b)
     calls = []
     kernel = draft_mlp.norm_gate_up
     monkeypatch.setattr(draft_mlp, "norm_gate_up",
                         lambda *a, **k: calls.append(a[0].shape) or kernel(*a, **k))
-    rows = tok.shape[0] * tok.shape[1]
-    assert rows < draft_mlp.MIN_ROWS
-    lf = np.asarray(forward(p, cfg, fused, tok, pos, cache, plan)[0])
-    np.testing.assert_array_equal(np.asarray(forward(p, cfg, mlp, tok, pos, cache, plan)[0]),
-                                  lf)  # too few rows: XLA's kernels
-    assert not calls
-    monkeypatch.setattr(draft_mlp, "MIN_ROWS", rows)
-    jax.clear_caches()
-
-    def run(xc, plan):
-        logits, c, _ = forward(p, cfg, xc, tok, pos, cache, plan)
-        return np.asarray(logits), np.asarray(c.k)
-
-    (lf, kf), (lm, km) = run(fused, plan), run(mlp, plan)
-    assert calls  # traced once (the layers run in a loop)
-    np.testing.assert_allclose(lm, lf, rtol=1e-4, atol=1e-4)
-    np.testing.assert_array_equal(km[0], kf[0])  # later layers' inputs differ by rounding
-    np.testing.assert_allclose(km, kf, rtol=1e-5, atol=1e-5)
+    jax.clear_caches()  # a layer traced before would not call it again
+    lk, kk, _ = _run(folded, PALLAS, cache, plan, tok, pos)
+    assert calls == [(b, folded.config.hidden_size)]
     calls.clear()
-    vf, vm = run(fused, AttnPlan())[0], run(mlp, AttnPlan())[0]
+    _run(folded, PALLAS, cache, AttnPlan(), tok, pos)
     assert not calls
-    np.testing.assert_array_equal(vm, vf)
-    # layers whose gate/up weights exceed the bound keep XLA's three kernels
-    monkeypatch.setattr(draft_mlp, "SMALL_BYTES", 0)
-    jax.clear_caches()  # a traced draft step would keep the kernel
-    assert np.array_equal(run(mlp, plan)[0], lf) and not calls
-
-
-def test_padded_draft_rows_change_nothing(pallas_interpret):
-    """`ExecConfig.row_pad`: a fused draft of 3 sequences carried as 8 rows (5 padding rows
-    through every layer, dropped before the LM head) gives the unpadded draft's logits
-    and cache, and the padding rows write no cache entry."""
-    import dataclasses
-
-    from vegas_jax.model import forward, layout_params
-    from tests.tiny import tiny_model
-
-    m = tiny_model(scale=0.3)
-    padded = dataclasses.replace(PALLAS, draft="fused", row_pad=8)
-    plain = dataclasses.replace(padded, row_pad=1)
-    p = layout_params(m.params, padded)
-    cfg, b = m.config, 3
-    cache, plan, tok, pos = _draft_inputs(cfg)
-    lp, cp, _ = forward(p, cfg, padded, tok, pos, cache, plan)
-    l1, c1, _ = forward(p, cfg, plain, tok, pos, cache, plan)
-    assert lp.shape == (b, 1, cfg.vocab_size)
-    np.testing.assert_allclose(np.asarray(lp), np.asarray(l1), rtol=1e-5, atol=1e-5)
-    np.testing.assert_array_equal(np.asarray(cp.k), np.asarray(c1.k))
-    np.testing.assert_array_equal(np.asarray(cp.v), np.asarray(c1.v))
+    monkeypatch.setattr(draft_mlp, "MIN_ROWS", b + 1)  # the same step without the kernel
+    jax.clear_caches()
+    lm, km, _ = _run(folded, PALLAS, cache, plan, tok, pos)
+    assert not calls
+    np.testing.assert_allclose(lk, lm, rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(kk[0], km[0])
+    np.testing.assert_allclose(kk, km, rtol=1e-5, atol=1e-5)

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.tiny import tiny_model
+from tests.tiny import BENCH_WORKLOAD, tiny_model
 from vegas_jax import bench
 
 
@@ -22,6 +22,11 @@ def test_synthetic_cache_is_random_and_sized():
     assert len(np.unique(k[0, 0, 0, :, 0])) > 200  # positions differ
 
 
+# One workload for every run here and in test_tune (`tests.tiny.BENCH_WORKLOAD`), at one
+# speculative setting.
+SPEC = ["--gamma", "2", "--sparsity", "0.5"]
+
+
 @pytest.fixture(scope="module")
 def prompts_json(tmp_path_factory):
     rng = np.random.default_rng(0)
@@ -30,32 +35,35 @@ def prompts_json(tmp_path_factory):
     return str(p)
 
 
-def test_methods_table_tiny_model(prompts_json, capsys):
-    rc = bench.main(["--prompts-json", prompts_json, "--batch", "2", "--context", "256",
-                     "--new-tokens", "16", "--min-tokens", "8", "--gamma", "3",
-                     "--methods", "vanilla,stream,vegas", "--profile-methods", "vegas",
-                     "--profile-reps", "1", "--attn-impl", "xla", "--json"],
-                    model=tiny_model(scale=0.3))
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_model(scale=0.3)
+
+
+def test_methods_table_tiny_model(prompts_json, tiny, capsys):
+    rc = bench.main(["--prompts-json", prompts_json, *BENCH_WORKLOAD, *SPEC,
+                     "--methods", "vanilla,vegas", "--profile-reps", "1", "--json"], model=tiny)
     assert rc == 0
     rows = {r["method"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
-    assert set(rows) == {"vanilla", "stream", "vegas"}
+    assert set(rows) == {"vanilla", "vegas"}
     assert rows["vanilla"]["speedup"] == pytest.approx(1.0)
-    for m in ("stream", "vegas"):
-        r = rows[m]
-        assert 1 <= r["tau"] <= 4 and len(r["acceptance"]) == 3 and r["tok_s"] > 0
-        assert r["speedup"] == pytest.approx(r["tok_s"] / rows["vanilla"]["tok_s"])
     v = rows["vegas"]
+    assert 1 <= v["tau"] <= 3 and len(v["acceptance"]) == 2 and v["tok_s"] > 0
+    assert v["speedup"] == pytest.approx(v["tok_s"] / rows["vanilla"]["tok_s"])
+    assert v["equal_sequences"] == 2  # greedy: vanilla's tokens
+    assert {r["backend"] for r in rows.values()} == {"xla"}
     for k in ("round_ms", "draft_ms", "verify_ms", "verify_capture_ms", "select_ms",
               "vanilla_step_ms"):
         assert v[k] > 0, k
-    assert "round_ms" not in rows["stream"]  # only the methods asked for are profiled
+    assert v["e2e_over_jitted"] == pytest.approx(v["ms_per_call"] / v["round_ms"])
+    assert "round_ms" not in rows["vanilla"]  # nothing to split
     for r in rows.values():  # a call is timed only where the host waited on the device
         assert len(r["tokens_by_call"]) == len(r["call_ms"])
         timed = any(m is not None and a == 2 for m, a in zip(r["call_ms"], r["active_by_call"]))
         assert (r["full_batch_tok_s"] > 0) if timed else r["full_batch_tok_s"] is None
     # every token after each method's first call is in the trace
     assert sum(rows["vanilla"]["tokens_by_call"]) == 2 * 16 - 2 - 2 * 8
-    assert 0 < sum(rows["vegas"]["tokens_by_call"]) <= 2 * 16 - 2
+    assert 0 < sum(v["tokens_by_call"]) <= 2 * 16 - 2
 
 
 def test_full_batch_rate_counts_only_whole_batch_calls():
@@ -70,33 +78,41 @@ def test_full_batch_rate_counts_only_whole_batch_calls():
                     "<= 0 active -")
 
 
-def test_sparsities_run_each_method_at_each_budget(prompts_json, capsys):
-    rc = bench.main(["--prompts-json", prompts_json, "--batch", "2", "--context", "256",
-                     "--new-tokens", "12", "--min-tokens", "8", "--gamma", "3",
+def test_sparsities_run_each_method_at_each_budget(prompts_json, tiny, capsys):
+    """Each speculative method at each budget; only the methods asked for have their
+    round split into phases (here none)."""
+    rc = bench.main(["--prompts-json", prompts_json, *BENCH_WORKLOAD, *SPEC,
                      "--methods", "vanilla,vegas", "--sparsities", "0.05,0.5",
-                     "--profile-reps", "0", "--attn-impl", "xla"],
-                    model=tiny_model(scale=0.3))
+                     "--profile-methods", "stream"], model=tiny)
     assert rc == 0
     out = capsys.readouterr().out
-    assert "| vegas | 3 | 0.05 |" in out and "| vegas | 3 | 0.5 |" in out
-    assert "tail vegas g3 s0.05:" in out
+    assert "| vegas | 2 | 0.05 |" in out and "| vegas | 2 | 0.5 |" in out
+    assert "tail vegas g2 s0.05:" in out
+
+    def cells(line):
+        return [c.strip() for c in line.split("|")[1:-1]]
+
+    head = cells(out.splitlines()[1])
+    for line in out.splitlines():
+        if line.startswith("| vegas |"):
+            row = cells(line)
+            assert row[head.index("tok/s")] and not row[head.index("round ms")]
 
 
-def test_profile_only_projects(capsys):
-    rc = bench.main(["--profile-only", "--batch", "1", "--context", "200", "--gamma", "2",
-                     "--min-tokens", "8", "--methods", "vegas", "--profile-reps", "1",
-                     "--project-tau", "2.5", "--attn-impl", "xla", "--json"],
-                    model=tiny_model(scale=0.3))
+def test_profile_only_projects(tiny, capsys):
+    rc = bench.main(["--profile-only", *BENCH_WORKLOAD, *SPEC, "--methods", "vegas",
+                     "--profile-reps", "1", "--project-tau", "2.5", "--json"], model=tiny)
     assert rc == 0
     (row,) = json.loads(capsys.readouterr().out)["rows"]
-    assert row["projected_tok_s"] == pytest.approx(2.5 / row["round_ms"] * 1e3)
-    assert row["projected_vanilla_tok_s"] == pytest.approx(1 / row["vanilla_step_ms"] * 1e3)
+    assert row["projected_tok_s"] == pytest.approx(2 * 2.5 / row["round_ms"] * 1e3)
+    assert row["projected_vanilla_tok_s"] == pytest.approx(2 / row["vanilla_step_ms"] * 1e3)
 
 
 @pytest.mark.parametrize("flags, msg", [
     (["--methods", "vanilla,nope"], "unknown method 'nope'"),
     (["--batch", "0"], "must be >= 1"),
     (["--sparsities", "0.07,0"], "sparsity must be in (0, 1]"),
+    (["--gamma", "0"], "gamma must be"),
 ])
 def test_bad_input(flags, msg, capsys):
     assert bench.main(flags, model=tiny_model()) == 2

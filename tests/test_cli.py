@@ -1,5 +1,11 @@
-"""`python -m vegas_jax.decode` as a user runs it."""
+"""`python -m vegas_jax.decode` as a user runs it: its flags and their help, clear errors
+for bad input, prompts as text or @file, JSON and streamed output, and the compilation
+cache `$VEGAS_JAX_COMPILE_CACHE` names.
 
+Most runs call `decode.main` in this process (a subprocess spends seconds importing JAX);
+a few start the command itself."""
+
+import argparse
 import json
 import os
 import subprocess
@@ -8,24 +14,91 @@ from pathlib import Path
 
 import pytest
 
+from vegas_jax import decode
+from tests.tiny import with_tokenizer
+
 ROOT = Path(__file__).resolve().parents[1]
+MAX_OPTIONS = 20
 
 
-def run(*args, timeout=600):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+def run(*args, env=None, timeout=600):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", **(env or {})}
     return subprocess.run([sys.executable, "-m", "vegas_jax.decode", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
 
-def test_help_explains_every_flag():
-    r = run("--help")
-    assert r.returncode == 0
-    for flag in ("--model", "--checkpoint", "--prompt", "--prompt-file", "--max-new-tokens",
-                 "--temperature", "--top-k", "--top-p", "--min-p", "--seed", "--method",
-                 "--gamma", "--sparsity", "--min-tokens", "--score", "--dtype", "--attn-impl",
-                 "--gemm", "--layers", "--compile-cache", "--max-context", "--json", "--raw"):
-        assert flag in r.stdout
+@pytest.fixture(autouse=True)
+def _keep_jax_cache_config():
+    """`decode.main` turns on the compilation cache $VEGAS_JAX_COMPILE_CACHE names: give
+    this process its own setting back afterwards."""
+    import jax
 
+    saved = (jax.config.jax_compilation_cache_dir,
+             jax.config.jax_persistent_cache_min_compile_time_secs)
+    yield
+    jax.config.update("jax_compilation_cache_dir", saved[0])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", saved[1])
+
+
+@pytest.fixture(scope="module")
+def ckpt(tiny_hf, tmp_path_factory):
+    """A tiny Qwen3 checkpoint with a word-level tokenizer (no chat template)."""
+    src, _ = tiny_hf("qwen3-untied")
+    return str(with_tokenizer(src, tmp_path_factory.mktemp("cli") / "tiny-qwen3"))
+
+
+def main(capsys, *args):
+    """decode.main(args) -> (exit code, stdout, stderr)."""
+    rc = decode.main(list(args))
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+# ---------------------------------------------------------------------------------------
+# Flags
+# ---------------------------------------------------------------------------------------
+
+def _options():
+    p = decode.build_parser()
+    return [a for a in p._actions if not isinstance(a, argparse._HelpAction)]
+
+
+def test_at_most_20_options_each_with_one_line_help():
+    opts = _options()
+    assert len(opts) <= MAX_OPTIONS, [a.option_strings for a in opts]
+    for a in opts:
+        assert a.help and "\n" not in a.help, a.option_strings
+
+
+def test_help_lists_every_option():
+    r = run("--help")
+    assert r.returncode == 0, r.stderr
+    for a in _options():
+        assert a.option_strings[0] in r.stdout
+    assert "VEGAS_JAX_COMPILE_CACHE" in r.stdout
+
+
+@pytest.mark.parametrize("flag", ["--attn-impl", "--gemm", "--layers", "--draft-attn",
+                                  "--draft-row-pad", "--select-impl", "--prefill-impl",
+                                  "--moe-impl", "--min-tokens", "--score", "--compile-cache",
+                                  "--prompt-file"])
+def test_removed_flags_are_refused(flag, capsys):
+    with pytest.raises(SystemExit) as e:
+        decode.main([flag, "x"])
+    assert e.value.code == 2 and "unrecognized arguments" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args", [["--method", "vegas-all"], ["--backend", "cuda"],
+                                  ["--dtype", "int8"], ["--gamma", "two"]])
+def test_bad_choices_are_refused_by_the_parser(args, capsys):
+    with pytest.raises(SystemExit) as e:
+        decode.main(args)
+    assert e.value.code == 2 and "invalid" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------
+# Bad input: exit code 2 and one line saying what is wrong
+# ---------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("args, message", [
     (["--model", "qwen3-8"], "unknown model 'qwen3-8'"),
@@ -36,16 +109,70 @@ def test_help_explains_every_flag():
     (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
     (["--checkpoint", "/no/such/dir"], "/no/such/dir"),
     (["--model", "qwen3-8b"], "--checkpoint"),
-    (["--prompt-file", "/no/such/file.txt"], "prompt file not found"),
+    (["--prompt", "@/no/such/file.txt"], "prompt file not found: /no/such/file.txt"),
     (["--max-context", "9000"], "smollm2-135m supports at most 8192 positions"),
+    (["--tp", "0"], "tp must be"),
 ])
-def test_bad_input_is_a_clear_error(args, message):
-    r = run(*args)
-    assert r.returncode == 2, r.stderr
-    assert message in r.stderr
-    assert "Traceback" not in r.stderr
+def test_bad_input_is_a_clear_error(args, message, capsys):
+    rc, _, err = main(capsys, *args)
+    assert rc == 2, err
+    assert message in err and err.startswith("error: ")
+    assert "Traceback" not in err
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--max-context", "8", "--prompt", "the cat sat on a mat the cat sat"],
+     "exceeds tiny-qwen3's context of 8 tokens"),
+    (["--max-batch", "0"], "max_batch must be a whole number >= 1"),
+])
+def test_bad_input_of_a_loaded_model(ckpt, args, message, capsys):
+    rc, _, err = main(capsys, "--checkpoint", ckpt, *args)
+    assert rc == 2, err
+    assert message in err and "Traceback" not in err
+
+
+def test_bad_input_as_the_user_sees_it():
+    """The command itself: exit status 2, the message, no traceback."""
+    r = run("--gamma", "0")
+    assert r.returncode == 2 and "gamma must be" in r.stderr and "Traceback" not in r.stderr
+
+
+# ---------------------------------------------------------------------------------------
+# Runs
+# ---------------------------------------------------------------------------------------
+
+# The two runs below decode one prompt with the same settings: the second reuses the
+# programs the first compiled.
+RUN = ("--max-new-tokens", "6", "--method", "vegas", "--gamma", "2")
+
+
+def test_json_run_of_a_text_prompt(ckpt, capsys):
+    rc, out, err = main(capsys, "--checkpoint", ckpt, "--prompt", "the cat sat on a mat",
+                        *RUN, "--json")
+    assert rc == 0, err
+    assert not err  # --json prints nothing else
+    out = json.loads(out)
+    assert out["model"] == "tiny-qwen3" and out["method"] == "vegas"
+    (res,) = out["results"]
+    assert res["prompt"] == "the cat sat on a mat"  # no chat template: as it is
+    assert 1 <= len(res["tokens"]) <= 6 and isinstance(res["text"], str)
+    st = out["stats"]
+    assert st["method"] == "vegas" and st["gamma"] == 2 and st["prompts"] == 1
+    if st["rounds"]:
+        assert st["tau"] == pytest.approx(1 + sum(st["acceptance_cumulative"]))
+
+
+def test_streams_a_file_prompt_and_prints_stats(ckpt, tmp_path, capsys):
+    f = tmp_path / "prompt.txt"
+    f.write_text("hello world the mat")
+    rc, out, err = main(capsys, "--checkpoint", ckpt, "--prompt", f"@{f}", *RUN)
+    assert rc == 0, err
+    assert "loaded tiny-qwen3 (fp32)" in err and "tok/s" in err and "tau=" in err
+    assert "method=vegas gamma=2" in err
+    assert out.endswith("\n")
+
+
+@pytest.mark.slow
 def test_json_run_on_the_default_model():
     r = run("--prompt", "Name three colours.", "--max-new-tokens", "12", "--json",
             "--method", "vegas", "--gamma", "3")
@@ -53,54 +180,50 @@ def test_json_run_on_the_default_model():
     out = json.loads(r.stdout)
     res = out["results"][0]
     assert out["model"] == "smollm2-135m" and len(res["tokens"]) == 12 and res["text"]
+    assert res["prompt"].startswith("<|im_start|>")  # through the chat template
     st = out["stats"]
     assert st["method"] == "vegas" and st["gamma"] == 3
     assert st["tau"] == pytest.approx(1 + sum(st["acceptance_cumulative"]))
 
 
-def test_streams_text_and_prints_stats(tmp_path):
-    f = tmp_path / "prompt.txt"
-    f.write_text("Write one sentence about the sea.")
-    r = run("--prompt-file", str(f), "--max-new-tokens", "16", "--method", "stream")
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.strip()
-    assert "tok/s" in r.stderr and "tau=" in r.stderr
+# ---------------------------------------------------------------------------------------
+# The compilation cache: $VEGAS_JAX_COMPILE_CACHE only
+# ---------------------------------------------------------------------------------------
 
-
-def test_compile_cache_off_overrides_the_environment(tmp_path):
-    """'off' turns JAX's persistent cache off even where JAX_COMPILATION_CACHE_DIR set
-    one (the tests' own processes run with it); a directory turns it on there."""
+def test_compile_cache_comes_from_the_environment(monkeypatch, tmp_path):
+    """The directory $VEGAS_JAX_COMPILE_CACHE names (default ~/.cache/vegas_jax/xla);
+    'off' turns JAX's persistent cache off even where JAX_COMPILATION_CACHE_DIR set one
+    (the tests' own processes run with it)."""
     import jax
 
-    from vegas_jax.cli import enable_compile_cache
+    from vegas_jax.cli import CACHE_ENV, default_compile_cache, enable_compile_cache
 
-    saved = jax.config.jax_compilation_cache_dir
-    try:
-        assert enable_compile_cache("off") is None
-        assert jax.config.jax_compilation_cache_dir is None
-        assert enable_compile_cache(str(tmp_path / "c")) == str(tmp_path / "c")
-        assert jax.config.jax_compilation_cache_dir == str(tmp_path / "c")
-    finally:
-        jax.config.update("jax_compilation_cache_dir", saved)
+    assert CACHE_ENV == "VEGAS_JAX_COMPILE_CACHE"
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "c"))
+    assert default_compile_cache() == str(tmp_path / "c")
+    monkeypatch.delenv(CACHE_ENV)
+    assert default_compile_cache() == os.path.join(os.path.expanduser("~"), ".cache",
+                                                   "vegas_jax", "xla")
+    monkeypatch.setenv(CACHE_ENV, "off")
+    assert enable_compile_cache(default_compile_cache()) is None
+    assert jax.config.jax_compilation_cache_dir is None
+    assert enable_compile_cache(str(tmp_path / "c")) == str(tmp_path / "c")
+    assert jax.config.jax_compilation_cache_dir == str(tmp_path / "c")
 
 
-def test_compile_cache_is_written_and_reused(tmp_path):
-    """--compile-cache DIR fills DIR on the first run; a second run of the same shapes
-    finds its programs there (and prints the same tokens); 'off' writes nothing."""
+@pytest.mark.slow
+def test_compile_cache_is_written_and_reused(ckpt, tmp_path):
+    """$VEGAS_JAX_COMPILE_CACHE=DIR fills DIR on the first run; a second run of the same
+    shapes finds its programs there (and prints the same tokens). ('off':
+    `test_compile_cache_comes_from_the_environment`.)"""
     cache = tmp_path / "xla"
-    args = ("--prompt", "Name a colour.", "--max-new-tokens", "6", "--json", "--method",
-            "vegas", "--gamma", "2")
-    first = run(*args, "--compile-cache", str(cache))
+    args = ("--checkpoint", ckpt, "--prompt", "the cat sat", "--max-new-tokens", "6", "--json",
+            "--method", "vegas", "--gamma", "2")
+    first = run(*args, env={"VEGAS_JAX_COMPILE_CACHE": str(cache)})
     assert first.returncode == 0, first.stderr
     entries = set(os.listdir(cache))
     assert any("spec_round" in e for e in entries), sorted(entries)[:10]
-    second = run(*args, "--compile-cache", str(cache))
+    second = run(*args, env={"VEGAS_JAX_COMPILE_CACHE": str(cache)})
     assert second.returncode == 0, second.stderr
     assert set(os.listdir(cache)) == entries  # nothing new had to be compiled
     assert json.loads(second.stdout)["results"] == json.loads(first.stdout)["results"]
-    session_cache = os.environ["VEGAS_JAX_COMPILE_CACHE"]  # the default in tests
-    before = set(os.listdir(session_cache)) if os.path.isdir(session_cache) else set()
-    r = run(*args, "--gamma", "3", "--compile-cache", "off")  # new shapes: would compile
-    assert r.returncode == 0, r.stderr
-    after = set(os.listdir(session_cache)) if os.path.isdir(session_cache) else set()
-    assert after == before

@@ -13,17 +13,13 @@ import sys
 import textwrap
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from vegas_jax.attention import CAUSAL
-from vegas_jax.execution import ExecConfig
-from vegas_jax.cache import init_cache
 from vegas_jax.config import REGISTRY
 from vegas_jax.loading import load_model
-from vegas_jax.model import forward
+from tests.hf_compare import ragged_prefill, xla_forward
 
 pytestmark = pytest.mark.slow
 
@@ -68,33 +64,28 @@ def theirs(smollm2_gguf):
     return model.eval(), tok
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def _forward(params, cfg, tokens, positions, cache):
-    return forward(params, cfg, ExecConfig("xla", "triton", "scan"), tokens, positions, cache,
-                   CAUSAL)
+def greedy(model, prompts: list[list[int]], n_new: int):
+    """Minimal greedy loop over the ragged batch: one prefill, then one token a step for
+    every sequence through the KV cache.
 
-
-def greedy(model, ids: list[int], n_new: int):
-    """Minimal greedy loop: prefill, then one token per step through the KV cache.
-
-    Returns (new tokens, fp32 logits [len(ids) + n_new - 1, v]: the prefill's logits at
-    every prompt position, then each decode step's)."""
+    Returns per prompt (new tokens, fp32 logits [len(ids) + n_new - 1, v]: the prefill's
+    logits at every prompt position, then each decode step's)."""
     cfg = model.config
-    cache = init_cache(cfg, 1, 128, jnp.float32)
-    logits, cache, _ = _forward(
-        model.params, cfg, jnp.asarray([ids], jnp.int32), jnp.arange(len(ids))[None], cache
-    )
-    rows = [np.asarray(logits[0])]
-    out = [int(jnp.argmax(logits[0, -1]))]
-    n = len(ids)
+    logits, cache = ragged_prefill(model.params, cfg, prompts, max_len=128)
+    rows = [[np.asarray(logits[i, :len(p)])] for i, p in enumerate(prompts)]
+    last = np.asarray([len(p) - 1 for p in prompts])
+    nxt = np.asarray(logits)[np.arange(len(prompts)), last].argmax(-1)
+    out = [[int(t)] for t in nxt]
     for _ in range(n_new - 1):
-        logits, cache, _ = _forward(
-            model.params, cfg, jnp.asarray([[out[-1]]], jnp.int32), jnp.asarray([[n]]), cache
-        )
-        n += 1
-        rows.append(np.asarray(logits[0]))
-        out.append(int(jnp.argmax(logits[0, 0])))
-    return out, np.concatenate(rows)
+        logits, cache, _ = xla_forward(model.params, cfg, jnp.asarray(nxt[:, None], jnp.int32),
+                                       cache.lengths[:, None], cache)
+        cache = cache.replace(lengths=cache.lengths + 1)
+        step = np.asarray(logits[:, 0])
+        nxt = step.argmax(-1)
+        for i in range(len(prompts)):
+            rows[i].append(step[i:i + 1])
+            out[i].append(int(nxt[i]))
+    return [(o, np.concatenate(r)) for o, r in zip(out, rows)]
 
 
 @pytest.fixture(scope="module")
@@ -104,13 +95,12 @@ def runs(ours, theirs):
     import torch
 
     model, tok = theirs
+    ids = [tok.encode(p) for p in PROMPTS]
     res = []
-    for prompt in PROMPTS:
-        ids = tok.encode(prompt)
-        new, our_logits = greedy(ours, ids, N_NEW)
+    for prompt, p, (new, our_logits) in zip(PROMPTS, ids, greedy(ours, ids, N_NEW)):
         with torch.no_grad():
-            ref = model(torch.tensor([ids + new[:-1]])).logits[0].numpy()
-        res.append((prompt, ids, new, our_logits, ref))
+            ref = model(torch.tensor([p + new[:-1]])).logits[0].numpy()
+        res.append((prompt, p, new, our_logits, ref))
     return res
 
 
@@ -161,20 +151,17 @@ def test_tokenizer_matches_transformers(ours, theirs):
         chat, tokenize=False)
 
 
-def test_default_model_is_smollm2_bf16():
-    m = load_model()
-    assert m.config.name == "smollm2-135m"
-    assert m.params.embed.dtype == jnp.bfloat16
-    assert m.tokenizer is not None
-    assert m.tokenizer.decode(m.tokenizer.encode("Hello world")) == "Hello world"
-
-
-def test_gguf_path_never_imports_torch(smollm2_gguf):
-    code = textwrap.dedent(f"""
+def test_default_model_is_smollm2_bf16_without_torch():
+    """With neither a name nor a checkpoint: the embedded SmolLM2 GGUF in bf16, with its
+    tokenizer, and the GGUF path never imports torch (a process of its own)."""
+    code = textwrap.dedent("""
         import sys
+        import jax.numpy as jnp
         from vegas_jax.loading import load_model
-        m = load_model(checkpoint={str(smollm2_gguf)!r})
+        m = load_model()
+        assert m.config.name == "smollm2-135m" and m.params.embed.dtype == jnp.bfloat16
         assert m.tokenizer.encode("Hello world") == [19556, 905], m.tokenizer.encode("Hello world")
+        assert m.tokenizer.decode(m.tokenizer.encode("Hello world")) == "Hello world"
         bad = sorted(k for k in sys.modules if k == "torch" or k.startswith("torch."))
         assert not bad, bad
         print("ok")

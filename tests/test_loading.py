@@ -20,6 +20,7 @@ from vegas_jax.checkpoint.common import params_shapes, params_to_dict
 from vegas_jax.checkpoint.orbax_io import load_orbax_checkpoint, save_orbax_checkpoint
 from vegas_jax.config import REGISTRY
 from vegas_jax.loading import Model, load_model
+from tests.tiny import with_tokenizer
 
 
 def _bits(x):
@@ -42,26 +43,11 @@ def assert_shapes(model: Model, dtype):
     assert {x.dtype for x in jax.tree.leaves(model.params)} == {jnp.dtype(dtype)}
 
 
-def _tiny_tokenizer():
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{w: i + 3 for i, w in enumerate(
-        "hello world the cat sat on a mat".split())}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
-                                   eos_token="</s>")
-
-
 @pytest.fixture(scope="module")
 def hf_with_tokenizer(tiny_hf, tmp_path_factory):
     """The untied Qwen3 tiny checkpoint plus a small tokenizer."""
     src, _ = tiny_hf("qwen3-untied")
-    d = tmp_path_factory.mktemp("hf-tok")
-    shutil.copytree(src, d, dirs_exist_ok=True)
-    _tiny_tokenizer().save_pretrained(str(d))
-    return d
+    return with_tokenizer(src, tmp_path_factory.mktemp("hf-tok"))
 
 
 # ---------------------------------------------------------------------------------------
@@ -81,18 +67,19 @@ def test_orbax_round_trip_is_bit_identical(kind, dtype, tiny_hf, tmp_path):
 
 
 def test_orbax_round_trip_random_params(tmp_path):
+    """Params as `init_params` makes them (norm weights not folded), in bf16 (fp32 round
+    trips: `test_orbax_round_trip_is_bit_identical`)."""
     cfg = dataclasses.replace(REGISTRY["qwen3-0.6b"], name="tiny", vocab_size=96, hidden_size=32,
                               intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
                               head_dim=8, tie_embeddings=False)
-    from vegas_jax.model import init_params
+    from vegas_jax.params import init_params
 
-    for dt in (jnp.bfloat16, jnp.float32):
-        params = init_params(cfg, jax.random.key(1), dt)
-        out = save_orbax_checkpoint(tmp_path / str(jnp.dtype(dt)), cfg, params)
-        cfg2, back = load_orbax_checkpoint(out, dt)
-        assert cfg2 == cfg
-        assert_params_identical(params, back)
-        assert isinstance(back.embed, jax.Array)
+    params = init_params(cfg, jax.random.key(1), jnp.bfloat16)
+    out = save_orbax_checkpoint(tmp_path / "ck", cfg, params)
+    cfg2, back = load_orbax_checkpoint(out, jnp.bfloat16)
+    assert cfg2 == cfg
+    assert_params_identical(params, back)
+    assert isinstance(back.embed, jax.Array)
 
 
 def test_orbax_format_v1_separate_projections_still_loads(tmp_path):
@@ -102,7 +89,7 @@ def test_orbax_format_v1_separate_projections_still_loads(tmp_path):
     import orbax.checkpoint as ocp
 
     from vegas_jax.checkpoint.common import params_to_dict, split_fused
-    from vegas_jax.model import init_params
+    from vegas_jax.params import init_params
 
     cfg = dataclasses.replace(REGISTRY["qwen3-0.6b"], name="tiny", vocab_size=96, hidden_size=32,
                               intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -248,26 +235,32 @@ def test_random_init_from_checkpoint_config(tiny_hf, hf_with_tokenizer, dtype):
     assert_params_identical(rnd.params, again.params)
 
 
-def test_random_init_unrolled_draws_the_stacked_values_layer_by_layer(monkeypatch):
+def test_random_init_unrolled_draws_the_stacked_values_layer_by_layer(monkeypatch, tiny_hf):
     """init_params(unrolled=True) gives the stacked draw's values, one buffer per layer,
     also for fields drawn a block of layers at a time (over `_DRAW_WHOLE_BYTES`), and
     load_model uses it for the unrolled layout (no stacked field is ever made)."""
-    from vegas_jax import model as model_mod
+    from vegas_jax import params as params_mod
     from vegas_jax.execution import ExecConfig
     from tests.tiny import tiny_config
 
     cfg = tiny_config()
-    monkeypatch.setattr(model_mod, "_DRAW_WHOLE_BYTES", 2000)  # every field in blocks
-    stacked = model_mod.init_params(cfg, jax.random.key(0), jnp.float32)
-    per = model_mod.init_params(cfg, jax.random.key(0), jnp.float32, unrolled=True)
+    monkeypatch.setattr(params_mod, "_DRAW_WHOLE_BYTES", 2000)  # every field in blocks
+    stacked = params_mod.init_params(cfg, jax.random.key(0), jnp.float32)
+    per = params_mod.init_params(cfg, jax.random.key(0), jnp.float32, unrolled=True)
     assert isinstance(per.layers, tuple) and len(per.layers) == cfg.num_layers
-    assert_params_identical(stacked, model_mod.stack_layers(per))
+    assert_params_identical(stacked, params_mod.stack_layers(per))
     monkeypatch.undo()
-    m = load_model("smollm2-135m", random_init=True, exec_config=ExecConfig(layers="unrolled"))
-    assert isinstance(m.params.layers, tuple)
-    m2 = load_model("smollm2-135m", random_init=True, exec_config=ExecConfig(layers="scan"))
-    np.testing.assert_array_equal(np.asarray(m.params.layers[3].w_qkv, np.float32),
-                                  np.asarray(m2.params.layers.w_qkv[3], np.float32))
+    src, _ = tiny_hf("llama-gqa")
+    calls = []
+    init = params_mod.init_params
+    monkeypatch.setattr("vegas_jax.loading.init_params",
+                        lambda *a, **k: calls.append(k.get("unrolled")) or init(*a, **k))
+    m = load_model(checkpoint=src, random_init=True, exec_config=ExecConfig(layers="unrolled"))
+    assert isinstance(m.params.layers, tuple) and calls == [True]
+    m2 = load_model(checkpoint=src, random_init=True, exec_config=ExecConfig(layers="scan"))
+    assert not isinstance(m2.params.layers, tuple) and calls == [True, False]
+    np.testing.assert_array_equal(np.asarray(m.params.layers[1].w_qkv, np.float32),
+                                  np.asarray(m2.params.layers.w_qkv[1], np.float32))
 
 
 @pytest.mark.parametrize("name", ["qwen3-8b", "llama-3.1-8b", "smollm2-135m"])

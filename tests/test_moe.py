@@ -17,7 +17,7 @@ from vegas_jax import generate, speculative_generate
 from vegas_jax.checkpoint.hf import load_hf_checkpoint, to_hf_config, to_hf_state_dict
 from vegas_jax.config import REGISTRY, from_hf_config
 from vegas_jax.loading import load_model
-from vegas_jax.model import init_params, param_bytes
+from vegas_jax.params import init_params, param_bytes
 from vegas_jax.sharding import check_tp
 from vegas_jax.speculative import SpecConfig
 from tests.hf_compare import check_prefill_and_decode
@@ -69,6 +69,7 @@ def tiny_moe(tmp_path_factory):
     return get
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("norm_topk_prob", [True, False])
 def test_logits_match_transformers(tiny_moe, norm_topk_prob):
     _, hf_model, model = tiny_moe(norm_topk_prob)
@@ -100,6 +101,7 @@ def vanilla(tiny_moe, prompts):
     return generate(tiny_moe(True)[2], prompts, 24)
 
 
+@pytest.mark.slow
 def test_greedy_generate_matches_transformers(tiny_moe, prompts, vanilla):
     import torch
 
@@ -111,6 +113,7 @@ def test_greedy_generate_matches_transformers(tiny_moe, prompts, vanilla):
         assert out[0, len(p):].tolist() == ours
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["vegas", "stream"])
 def test_greedy_speculative_equals_vanilla(tiny_moe, prompts, vanilla, method):
     res = speculative_generate(tiny_moe(True)[2], prompts, 24,
@@ -120,6 +123,7 @@ def test_greedy_speculative_equals_vanilla(tiny_moe, prompts, vanilla, method):
     assert st["tau"] == pytest.approx(1 + sum(st["acceptance_cumulative"]))
 
 
+@pytest.mark.slow
 def test_hf_names_round_trip(tiny_moe, tmp_path):
     """`to_hf_state_dict` writes exactly the checkpoint's tensors (one per expert); from
     the folded params `load_model` made, a transformers model computes the same logits."""
