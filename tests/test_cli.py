@@ -112,6 +112,7 @@ def test_bad_choices_are_refused_by_the_parser(args, capsys):
     (["--prompt", "@/no/such/file.txt"], "prompt file not found: /no/such/file.txt"),
     (["--max-context", "9000"], "smollm2-135m supports at most 8192 positions"),
     (["--tp", "0"], "tp must be"),
+    (["--exact", "--tp", "2"], "exact=True runs on one device"),
 ])
 def test_bad_input_is_a_clear_error(args, message, capsys):
     rc, _, err = main(capsys, *args)

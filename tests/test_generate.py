@@ -164,6 +164,7 @@ def test_exec_config_derives_every_other_choice(monkeypatch):
 @pytest.mark.parametrize("kw, match", [
     (dict(backend="cuda"), "backend must be one of"), (dict(layers="python"), "layers"),
     (dict(tp=0), "tp must be"), (dict(tp=1.5), "tp must be"),
+    (dict(exact=True, tp=2), "exact=True runs on one device"),
 ])
 def test_exec_config_refuses(kw, match):
     with pytest.raises(ValueError, match=match):
