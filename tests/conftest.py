@@ -99,32 +99,6 @@ def build_tiny_hf(kind: str, out_dir, seed: int = 0):
     return model
 
 
-@pytest.fixture
-def pallas_interpret(monkeypatch):
-    """Every Pallas kernel the model's Pallas path calls, in interpret mode (CPU)."""
-    import functools
-
-    from pallas_kernels import draft_mlp
-    from pallas_kernels.capture_select import select_from_capture
-    from pallas_kernels.sparse_attention import sparse_attention, sparse_step
-    from pallas_kernels.topk import select_topk_fast
-    from pallas_kernels.verify_attention import verify_attention
-    from vegas_jax import attention as attn_mod
-    from vegas_jax import selection as sel_mod
-
-    monkeypatch.setattr(attn_mod, "verify_attention",
-                        functools.partial(verify_attention, interpret=True))
-    monkeypatch.setattr(attn_mod, "sparse_attention",
-                        functools.partial(sparse_attention, interpret=True))
-    monkeypatch.setattr(attn_mod, "sparse_step", functools.partial(sparse_step, interpret=True))
-    monkeypatch.setattr(sel_mod, "select_topk_fast",
-                        functools.partial(select_topk_fast, interpret=True))
-    monkeypatch.setattr(sel_mod, "select_from_capture",
-                        functools.partial(select_from_capture, interpret=True))
-    monkeypatch.setattr(draft_mlp, "norm_gate_up",
-                        functools.partial(draft_mlp.norm_gate_up, interpret=True))
-
-
 @pytest.fixture(scope="session")
 def tiny_hf(tmp_path_factory):
     """tiny_hf(kind) -> (checkpoint_dir, torch_model), built once per session."""
@@ -149,3 +123,40 @@ def smollm2_gguf():
     from vegas_jax.loading import default_gguf_path
 
     return default_gguf_path()
+
+
+# ---------------------------------------------------------------------------------------
+# The speculative tests' tiny model and prompts (test_speculative, test_refill: the same
+# model, batch and cache length compile the same programs, which the persistent cache
+# above then serves to the second module)
+# ---------------------------------------------------------------------------------------
+
+SPEC_NEW = 24  # new tokens a prompt
+# One prompt bucket (64 tokens): one prefill program per capture. The first three are the
+# batch of test_speculative; 5 tokens sit below a min_tokens floor of 8 (a draft selects
+# its whole context), the others past it (a draft reads 8 entries and the recent tail).
+SPEC_LENS = (5, 30, 61, 12, 44, 20)
+# The model's EOS: the 6th new token of prompt 1 (greedy), never emitted by prompts 0 and
+# 2, so prompt 1 stops early, in the middle of a round, while those run to the limit
+# (the modules using it check that; a change of the model's random init must pick
+# another EOS).
+SPEC_EOS = 93
+
+
+@pytest.fixture(scope="session")
+def spec_model():
+    """(model, prompts): tests.tiny's fp32 model (scale 0.3) with EOS `SPEC_EOS`, its
+    weights laid out as loading lays them out (norms folded into the projections: the
+    fused draft kernel then applies the input norm's row scale itself), on the XLA
+    backend with scanned layers; prompts of SPEC_LENS tokens."""
+    import numpy as np
+
+    from tests.tiny import tiny_model
+    from vegas_jax.execution import ExecConfig
+    from vegas_jax.params import layout_params
+
+    xc = ExecConfig(backend="xla", layers="scan")
+    m = tiny_model(scale=0.3, eos=(SPEC_EOS,))
+    m = m._replace(params=layout_params(m.params, xc), exec_config=xc)
+    rng = np.random.default_rng(0)
+    return m, [rng.integers(0, 100, size=n).tolist() for n in SPEC_LENS]

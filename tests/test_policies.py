@@ -1,185 +1,173 @@
-"""Issue 16's selection policies (`VerifyGuided(rows="accepted" | decay | pool |
-entropy)`): each
-selection against a brute-force reference, and lossless decoding through each."""
+"""The selection policies of `methods`: the registry, what each method captures and where
+the capture is handed over raw, and each `VerifyGuided` selection (the carried scores of
+`vegas`, the last accepted row of `last`) against a brute-force reference. Lossless
+decoding through each method: test_speculative."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax import lax
 
-from vegas_jax import selection as sel
-from vegas_jax.generate import generate
-from vegas_jax.speculative import SpecConfig, speculative_generate
-from tests.tiny import tiny_model
 from tests import rand
+from tests.tiny import tiny_config
+from vegas_jax import methods as meth
+from vegas_jax.attention import Capture
+from vegas_jax.execution import ExecConfig
+from vegas_jax.speculative import SpecConfig, prefill_capture, round_capture
 
-SPEC = SpecConfig(gamma=4, sparsity=0.07, min_tokens=8)
-MAX_LEN = 1024
+SPEC = SpecConfig(method="vegas", gamma=4, sparsity=0.07, min_tokens=8)
+MAX_LEN = 512
 
 
 class _Cache:
     max_len = MAX_LEN
 
 
+_CACHE = _Cache()
+
+
+def _update(method, spec, sel, scores, n, n_acc):
+    """`method.update` as one jitted program (op by op, the selection's count passes
+    compile one small program each)."""
+    return jax.jit(lambda sel, scores, n, n_acc: method.update(spec, sel, scores, _CACHE, n,
+                                                               n_acc, None))(sel, scores, n, n_acc)
+
+
 def _top(v, r_end, c):
     """Brute force: the c best positions of one score row over 0..r_end."""
-    masked = jnp.where(jnp.arange(v.shape[-1]) <= r_end, v, -jnp.inf)
-    return set(np.asarray(lax.top_k(masked, c)[1]).tolist())
+    v = np.where(np.arange(v.shape[-1]) <= int(r_end), np.asarray(v, np.float64), -np.inf)
+    return set(np.argsort(-v, kind="stable")[:c].tolist())
 
 
 def _sets(s):
-    return [[set(np.asarray(s.idx[l, b, :int(s.count[l, b])]).tolist())
-             for b in range(s.idx.shape[1])] for l in range(s.idx.shape[0])]
+    idx, count = np.asarray(s.idx), np.asarray(s.count)
+    return [[set(idx[l, b, :count[l, b]].tolist()) for b in range(idx.shape[1])]
+            for l in range(idx.shape[0])]
 
 
-def test_pooled_budget_takes_the_largest_weights_over_all_layers():
-    """One budget for all layers: the union of the per-layer sets is the global top
-    L * budget of the scores (up to the per-layer cap), so a flat layer gets more entries
-    than a peaked one, and the entries read in total never exceed the paper selector's."""
-    L, b = 3, 2
-    key = jax.random.PRNGKey(1)
-    flat = rand.uniform(key, (b, MAX_LEN)) * 1e-3 + 1e-3
-    peaked = jax.nn.softmax(8 * rand.normal(jax.random.fold_in(key, 1), (b, MAX_LEN)))
-    mid = jax.nn.softmax(2 * rand.normal(jax.random.fold_in(key, 2), (b, MAX_LEN)))
-    scores = jnp.stack([flat, peaked, mid])  # [L, b, s]
-    n = jnp.array([500, 1000])
-    pool = sel.VerifyGuided("pair", pool=2.0)
-    assert pool.name == "vegas-pool"
-    got = pool.update(SPEC, None, scores, _Cache(), n, jnp.zeros_like(n), None)
-    per_layer = np.asarray(sel.budget(SPEC, n, MAX_LEN))
-    cap = int(np.ceil(2.0 * sel.max_budget(SPEC, MAX_LEN)))
-    assert got.idx.shape[-1] == cap
-    sets = _sets(got)
-    for j in range(b):
-        total = L * int(per_layer[j])
-        flat_all = jnp.where(jnp.arange(MAX_LEN) <= n[j], scores[:, j], -jnp.inf).reshape(-1)
-        best = set(np.asarray(lax.top_k(flat_all, total)[1]).tolist())
-        want = [{int(p) % MAX_LEN for p in best if p // MAX_LEN == l} for l in range(L)]
-        for l in range(L):
-            if len(want[l]) <= cap:
-                assert sets[l][j] == want[l], (l, j)
-            else:  # capped: the layer's own top `cap`
-                assert sets[l][j] == _top(scores[l, j], n[j], cap)
-        assert int(got.count[:, j].sum()) <= total
-        assert int(got.count[0, j]) > int(got.count[1, j])  # flat > peaked
+def test_the_registry_names_each_method():
+    assert list(meth.METHODS) == ["vegas", "vegas-paper", "last", "stream", "quest", "auto",
+                                  "vanilla"]
+    for name, m in meth.METHODS.items():
+        assert m.name == name and meth.method_named(name) is m
+        assert m.speculative == (name != "vanilla")
+    assert meth.METHODS["vegas"] == meth.VerifyGuided("pair", decay=0.5)
+    assert meth.METHODS["vegas-paper"] == meth.VerifyGuided("pair")
+    assert meth.METHODS["last"] == meth.VerifyGuided("last")
+    assert meth.METHODS["auto"].base == meth.METHODS["vegas"]
+    # a policy outside the registry still has a name
+    assert meth.VerifyGuided("last", decay=0.5).name == "last-decay"
+    obj = meth.Stream(sink=4)
+    assert meth.method_named(obj) is obj
+    with pytest.raises(ValueError, match="unknown method"):
+        meth.method_named("vegas-heads")
 
 
-def test_entropy_split_follows_each_layers_perplexity():
-    """entropy a: layer l's count = floor(L * budget * perp_l ** a / sum over layers),
-    within [1, 2 x budget]; each layer's set is its own top `count`; a flat layer gets more
-    than a peaked one for a > 0, fewer for a < 0; never more entries than the paper's."""
-    L, b = 3, 2
-    key = jax.random.PRNGKey(5)
-    flat = jax.nn.softmax(0.1 * rand.normal(key, (b, MAX_LEN)))
-    peaked = jax.nn.softmax(8 * rand.normal(jax.random.fold_in(key, 1), (b, MAX_LEN)))
-    mid = jax.nn.softmax(2 * rand.normal(jax.random.fold_in(key, 2), (b, MAX_LEN)))
-    scores = jnp.stack([flat, peaked, mid])  # [L, b, s]
-    n = jnp.array([500, 1000])
-    per_layer = np.asarray(sel.budget(SPEC, n, MAX_LEN))
-    for a in (0.5, -0.5):
-        ent = sel.VerifyGuided("pair", entropy=a)
-        assert ent.name == "vegas-entropy"
-        got = ent.update(SPEC, None, scores, _Cache(), n, jnp.zeros_like(n), None)
-        sets = _sets(got)
-        for j in range(b):
-            ranked = np.asarray(scores[:, j, :int(n[j]) + 1], np.float64)
-            p = ranked / ranked.sum(-1, keepdims=True)
-            perp = np.exp(-(p * np.log(p)).sum(-1))  # [L]
-            share = perp ** a / (perp ** a).sum()
-            want = np.clip(np.floor(L * per_layer[j] * share), 1, np.ceil(2 * per_layer[j]))
-            np.testing.assert_array_equal(np.asarray(got.count[:, j]), want.astype(int))
-            for l in range(L):
-                assert sets[l][j] == _top(scores[l, j], n[j], int(got.count[l, j]))
-            assert int(got.count[:, j].sum()) <= L * int(per_layer[j])
-            assert (int(got.count[0, j]) > int(got.count[1, j])) == (a > 0)
-    with pytest.raises(ValueError, match="score='weight'"):
-        SpecConfig(method=sel.VerifyGuided("pair", entropy=0.5), score="logit")
+@pytest.mark.parametrize("name,rows,reduce", [
+    ("vegas", (0, 4), "mean"), ("vegas-paper", (0, 4), "mean"), ("last", (0, 1, 2, 3, 4), "rows"),
+    ("auto", (0, 4), "mean"), ("stream", None, None), ("quest", None, None)])
+def test_what_each_method_captures(name, rows, reduce):
+    """The verify rows a method ranks by (vegas: rows 0 and gamma, Collect-2-Query; last:
+    every row, the one kept known after acceptance); the prefill's capture is the last
+    prompt token's row, of the same score."""
+    for score in ("weight", "logit"):
+        spec = SpecConfig(method=name, gamma=4, score=score)
+        cap = spec.method.capture(spec)
+        if rows is None:
+            assert cap is None and prefill_capture(spec) is None
+            continue
+        assert cap == Capture(rows, reduce, score)
+        assert prefill_capture(spec) == Capture((0,), "mean", score)
+
+
+def test_the_capture_is_handed_over_raw_only_where_the_kernels_select_from_it():
+    """A raw capture (the verify's logits to the selection's own kernel): softmax weights
+    averaged over rows on the Pallas backend, one device, rows that one selection program
+    holds."""
+    cfg = tiny_config()
+    pallas, xla = ExecConfig(backend="pallas"), ExecConfig(backend="xla")
+
+    def raw(method, xc=pallas, score="weight", max_len=1024):
+        spec = SpecConfig(method=method, gamma=4, score=score)
+        cap = round_capture(spec, cfg, xc, max_len)
+        return None if cap is None else cap.raw
+
+    assert raw("vegas") and raw("vegas-paper") and raw("auto")
+    assert raw("vegas", xla) is False
+    assert raw("vegas", score="logit") is False
+    assert raw("last") is False  # one row per verify row: the fused top-k kernel selects
+    assert raw("vegas", ExecConfig(backend="pallas", tp=2)) is False
+    assert raw("vegas", max_len=1 << 16) is False  # longer than the selection kernel's rows
+    assert raw("stream") is None
 
 
 @pytest.mark.parametrize("score", ["weight", "logit"])
 def test_decay_carries_the_scores_of_earlier_rounds(score):
     """decay d (the default `vegas`): the next selection ranks max(new, d * carried)
     (raw logits: max(new, carried + log d)), over the ranked range only; the paper's
-    selector (`vegas-paper`, d = 0) ranks the new scores alone."""
+    selector (`vegas-paper`, d = 0) would rank the new scores alone."""
     L, b = 2, 2
     k1, k2 = jax.random.split(jax.random.PRNGKey(2))
     s1 = 3 * rand.uniform(k1, (L, b, MAX_LEN))  # the aged s1 competes with s2
     s2 = rand.uniform(k2, (L, b, MAX_LEN))
-    n1, n2 = jnp.array([300, 700]), jnp.array([305, 707])
-    dec = sel.METHODS["vegas"]
-    assert dec == sel.VerifyGuided("pair", decay=0.5) and dec.name == "vegas"
-    assert sel.VerifyGuided("pair").name == "vegas-paper"
+    n1, n2 = jnp.array([150, 400]), jnp.array([155, 407])
+    dec = meth.METHODS["vegas"]
     spec = SpecConfig(method=dec, gamma=SPEC.gamma, sparsity=SPEC.sparsity,
                       min_tokens=SPEC.min_tokens, score=score)
-    st1 = dec.update(spec, sel.TopK(None, None, None, None), s1, _Cache(), n1,
-                     jnp.zeros_like(n1), None)
-    st2 = dec.update(spec, st1, s2, _Cache(), n2, jnp.zeros_like(n2), None)
+    # nothing carried yet: -inf scores (as `init` leaves none), one program for both rounds
+    none = meth.TopK(jnp.zeros((L, b, meth.max_budget(spec, MAX_LEN)), jnp.int32),
+                     jnp.zeros((L, b), jnp.int32), jnp.zeros((b,), jnp.int32),
+                     jnp.full((L, b, MAX_LEN), -jnp.inf))
+    st1 = _update(dec, spec, none, s1, n1, jnp.zeros_like(n1))
+    st2 = _update(dec, spec, st1, s2, n2, jnp.zeros_like(n2))
+    s1, s2 = np.asarray(s1, np.float64), np.asarray(s2, np.float64)
+    n1, n2 = np.asarray(n1), np.asarray(n2)
     # what is carried past the first round's range is -inf: those slots held drafts
-    carried = jnp.where(jnp.arange(MAX_LEN) <= n1[None, :, None], s1, -jnp.inf)
-    want = jnp.maximum(s2, 0.5 * carried if score == "weight" else carried + np.log(0.5))
-    plain = sel.METHODS["vegas-paper"].update(spec, None, s2, _Cache(), n2,
-                                              jnp.zeros_like(n2), None)
-    sets, plain_sets = _sets(st2), _sets(plain)
+    carried = np.where(np.arange(MAX_LEN) <= n1[None, :, None], s1, -np.inf)
+    want = np.maximum(s2, 0.5 * carried if score == "weight" else carried + np.log(0.5))
+    count = np.asarray(meth.budget(spec, n2, MAX_LEN))
+    sets1, sets, got_count = _sets(st1), _sets(st2), np.asarray(st2.count)
     differs = False
     for l in range(L):
         for j in range(b):
-            c = int(st2.count[l, j])
+            c = int(count[j])
+            assert got_count[l, j] == c
+            assert sets1[l][j] == _top(s1[l, j], n1[j], int(np.asarray(st1.count)[l, j]))
             assert sets[l][j] == _top(want[l, j], n2[j], c)
-            differs |= sets[l][j] != plain_sets[l][j]
-    assert differs
+            differs |= sets[l][j] != _top(s2[l, j], n2[j], c)  # vegas-paper's
+    assert differs  # the carried scores changed the selection somewhere
+    assert np.asarray(st2.end).tolist() == (n2 + 1).tolist()
 
 
-def test_accepted_rows_average_only_the_kept_tokens():
-    """rows="accepted": the mean of verify rows 0..n_acc; rows of rejected drafts (and
-    the pair's row gamma when it was rejected) must not count."""
+def test_last_ranks_by_the_last_accepted_tokens_row():
+    """last: every verify row captured; the selection ranks the row of the last token the
+    round kept (row n_acc: x0 is row 0, draft i row i), not the pair's or the mean."""
     L, b, r = 2, 3, SPEC.gamma + 1
     scores = rand.uniform(jax.random.PRNGKey(4), (L, b, r, MAX_LEN))
-    n, n_acc = jnp.array([200, 600, 900]), jnp.array([0, 2, 4])
-    acc = sel.VerifyGuided("accepted")
-    assert acc.name == "vegas-accepted"
-    assert acc.capture(SPEC).reduce == "rows" and acc.capture(SPEC).rows == tuple(range(r))
-    got = _sets(acc.update(SPEC, None, scores, _Cache(), n, n_acc, None))
-    count = np.asarray(sel.budget(SPEC, n, MAX_LEN))
+    n, n_acc = jnp.array([100, 300, 450]), jnp.array([0, 2, 4])
+    last = meth.METHODS["last"]
+    spec = SpecConfig(method=last, gamma=SPEC.gamma, sparsity=SPEC.sparsity,
+                      min_tokens=SPEC.min_tokens)
+    got = _sets(_update(last, spec, None, scores, n, n_acc))
+    count = np.asarray(meth.budget(spec, n, MAX_LEN))
+    scores, n, n_acc = np.asarray(scores), np.asarray(n), np.asarray(n_acc)
     for l in range(L):
         for j in range(b):
-            mean = scores[l, j, :int(n_acc[j]) + 1].mean(0)
-            assert got[l][j] == _top(mean, n[j], int(count[j]))
-            if int(n_acc[j]) < r - 1:  # averaging every row would give another set
-                assert got[l][j] != _top(scores[l, j].mean(0), n[j], int(count[j]))
+            row = int(n_acc[j])
+            assert got[l][j] == _top(scores[l, j, row], n[j], int(count[j]))
+            other = (row + 1) % r  # another row's top is another set: the check has teeth
+            assert got[l][j] != _top(scores[l, j, other], n[j], int(count[j]))
 
 
-@pytest.mark.parametrize("name,rows", [("vegas-first", "first"), ("vegas-final", "final")])
-def test_one_row_policies_capture_one_row(name, rows):
-    """vegas-first / -final: one verify row (0 or gamma) captured, carried as vegas's."""
-    m = sel.method_named(name)
-    assert m == sel.VerifyGuided(rows, decay=0.5) and m.name == name
-    cap = m.capture(SPEC)
-    assert cap.rows == ((0,) if rows == "first" else (SPEC.gamma,)) and cap.reduce == "mean"
-    assert sel.VerifyGuided(rows, heads=True).capture(SPEC).rows == cap.rows
-    assert m.takes_raw(SPEC)  # the single-kernel selection path, as vegas
-
-
-@pytest.mark.parametrize("kw", [dict(decay=1.0), dict(decay=-0.1), dict(pool=0.5),
-                                dict(pool=2.0, heads=True), dict(rows="accepted", heads=True),
-                                dict(entropy=0.5, pool=2.0), dict(entropy=0.5, heads=True)])
+@pytest.mark.parametrize("kw", [dict(decay=1.0), dict(decay=-0.1), dict(rows="accepted"),
+                                dict(rows="first"), dict(rows="final")])
 def test_bad_policy_settings(kw):
     with pytest.raises(ValueError):
-        sel.VerifyGuided(**{"rows": "pair", **kw})
+        meth.VerifyGuided(**{"rows": "pair", **kw})
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    return tiny_model(scale=0.3)
-
-
-@pytest.mark.parametrize("method", ["vegas-accepted", "vegas-paper", "vegas-pool",
-                                    "vegas-entropy", "vegas-first", "vegas-final"])
-def test_greedy_equals_vanilla(tiny, method):
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, 100, size=n).tolist() for n in (37, 650)]
-    want = generate(tiny, prompts, 40).tokens
-    res = speculative_generate(tiny, prompts, 40, SpecConfig(method=method, gamma=3,
-                                                             min_tokens=8))
-    assert res.tokens == want
-    assert res.stats["method"] == method
+@pytest.mark.parametrize("kw", [dict(base=meth.Vanilla()), dict(base=meth.Auto()),
+                                dict(gammas=(0, 2))])
+def test_bad_auto_settings(kw):
+    with pytest.raises(ValueError):
+        meth.Auto(**kw)

@@ -9,6 +9,12 @@ from vegas_jax import sampling
 from vegas_jax.sampling import SamplingParams, accept, process_logits
 
 
+def jitted(fn):
+    """fn as one jitted program (op by op, each new (op, shape) compiles on its own), traced
+    afresh: a new function object each call, so a monkeypatched helper is seen."""
+    return jax.jit(lambda *a: fn(*a))
+
+
 def numpy_process(logits, sp):
     """Independent reference of temperature -> top-k -> top-p -> min-p."""
     x = logits / sp.temperature
@@ -68,7 +74,7 @@ def _first_two(n_rows, p_logits, q, seed):
     drafts = jax.random.categorical(kd, jnp.log(q), axis=-1, shape=(n_rows, 2)).astype(jnp.int32)
     qb = jnp.broadcast_to(q, (n_rows,) + q.shape)
     lb = jnp.broadcast_to(p_logits, (n_rows,) + p_logits.shape)
-    n_acc, nxt = accept(ka, drafts, qb, lb, SamplingParams(1.0))
+    n_acc, nxt = jitted(accept)(ka, drafts, qb, lb, SamplingParams(1.0))
     first = jnp.where(n_acc >= 1, drafts[:, 0], nxt)
     second = jnp.where(n_acc >= 2, drafts[:, 1], nxt)
     return np.asarray(first), np.asarray(second), np.asarray(n_acc)
@@ -110,9 +116,10 @@ def test_sparse_q_gives_the_same_acceptance_as_dense():
     draft_logits = jnp.asarray(rng.normal(size=(b, g, v)) * 2, jnp.float32)
     target = jnp.asarray(rng.normal(size=(b, g + 1, v)) * 2, jnp.float32)
     keys = jax.random.split(jax.random.PRNGKey(3), g)
+    draw = jitted(sampling.sample)
     toks, q_idx, q_val = [], [], []
     for j in range(g):
-        t, (i, pv) = sampling.sample(keys[j], draft_logits[:, j], sp)
+        t, (i, pv) = draw(keys[j], draft_logits[:, j], sp)
         toks.append(t), q_idx.append(i), q_val.append(pv)
     drafts = jnp.stack(toks, 1)
     sparse = (jnp.stack(q_idx, 1), jnp.stack(q_val, 1))
@@ -120,12 +127,13 @@ def test_sparse_q_gives_the_same_acceptance_as_dense():
                                     sparse[0]].set(sparse[1])
     # the sparse law is the processed distribution (no ties in random normal logits)
     np.testing.assert_allclose(np.asarray(dense), np.exp(np.asarray(
-        process_logits(draft_logits, sp))), atol=1e-6)
+        jitted(process_logits)(draft_logits, sp))), atol=1e-6)
     assert bool(jnp.all(jnp.take_along_axis(dense, drafts[..., None], -1) > 0))
+    acc = jitted(accept)
     for seed in range(3):
         key = jax.random.PRNGKey(seed)
-        n1, x1 = accept(key, drafts, sparse, target, sp)
-        n2, x2 = accept(key, drafts, dense, target, sp)
+        n1, x1 = acc(key, drafts, sparse, target, sp)
+        n2, x2 = acc(key, drafts, dense, target, sp)
         assert n1.tolist() == n2.tolist() and x1.tolist() == x2.tolist()
     assert 0 < int(n1.sum()) < b * g  # both accepted and rejected drafts occur
 
@@ -135,7 +143,7 @@ def test_draft_sample_top_k_distribution():
     logits = jnp.asarray(rng.normal(size=(1, 50)) * 1.5, jnp.float32)
     sp = SamplingParams(0.8, 8, 0.9, 0.02)
     n = 100_000
-    toks, _ = jax.vmap(lambda kk: sampling.sample(kk, logits[0], sp))(
+    toks, _ = jax.jit(jax.vmap(lambda kk: sampling.sample(kk, logits[0], sp)))(
         jax.random.split(jax.random.PRNGKey(0), n))
     want = numpy_process(np.asarray(logits), sp)[0]
     counts = np.bincount(np.asarray(toks), minlength=50)
@@ -184,16 +192,17 @@ def test_sparse_target_accept_matches_dense():
     sp = SamplingParams(0.8, 6, 0.95)
     draft_logits = jnp.asarray(rng.normal(size=(b, g, v)) * 2, jnp.float32)
     target = jnp.asarray(rng.normal(size=(b, g + 1, v)) * 2, jnp.float32)
-    drafts, q = sampling.sample(jax.random.PRNGKey(1), draft_logits, sp)
+    drafts, q = jitted(sampling.sample)(jax.random.PRNGKey(1), draft_logits, sp)
     q_dense = jnp.zeros((b, g, v)).at[jnp.arange(b)[:, None, None],
                                       jnp.arange(g)[None, :, None], q[0]].set(q[1])
     dense_sp = SamplingParams(0.8, v, 0.95)  # top-k off: the dense path ...
-    p_dense = np.exp(np.asarray(process_logits(target, sp)))
+    p_dense = np.exp(np.asarray(jitted(process_logits)(target, sp)))
     logits_k = jnp.where(jnp.asarray(p_dense) > 0, target, -1e9)  # ... on the same support
+    acc = jitted(accept)
     for seed in range(3):
         key = jax.random.PRNGKey(seed)
-        n1, x1 = accept(key, drafts, q, target, sp)
-        n2, _ = accept(key, drafts, q_dense, logits_k, dense_sp)
+        n1, x1 = acc(key, drafts, q, target, sp)
+        n2, _ = acc(key, drafts, q_dense, logits_k, dense_sp)
         assert n1.tolist() == n2.tolist()
         assert bool(jnp.all(jnp.asarray(p_dense)[jnp.arange(b), n1, x1] > 0))  # in support
     assert 0 < int(n1.sum()) < b * g
@@ -210,7 +219,7 @@ def test_bonus_token_follows_the_target_after_the_last_draft():
     logits = jnp.broadcast_to(jnp.log(jnp.asarray(np.stack([p0, p1]), jnp.float32)), (b, 2, 6))
     q = jnp.broadcast_to(jnp.asarray(q0, jnp.float32), (b, 1, 6))
     drafts = jnp.ones((b, 1), jnp.int32)
-    n_acc, nxt = accept(jax.random.PRNGKey(0), drafts, q, logits, SamplingParams(1.0))
+    n_acc, nxt = jitted(accept)(jax.random.PRNGKey(0), drafts, q, logits, SamplingParams(1.0))
     assert bool(jnp.all(n_acc == 1))
     seen = np.bincount(np.asarray(nxt), minlength=6)
     assert seen[3:].sum() == 0

@@ -1,24 +1,27 @@
 """The selection against an independent computation: transformers' own attention weights.
 
 Vegas's draft reads, per layer, the top-`count` positions of the ranked range 0..n by the
-softmax weights of verify rows 0 and gamma averaged over all query heads. Here PyTorch's
-eager attention (`output_attentions=True`) on the same tiny checkpoint gives those
-weights; the index set our verify pass captured and `VerifyGuided.update` selected must be
-exactly their top-`count`, per layer and sequence (ragged lengths), through the XLA path
-and through the Pallas kernels in interpret mode. Wrong selections (one row only, the
-oldest positions) must fail the same comparison."""
+softmax weights of verify rows 0 and gamma averaged over all query heads (`last`: of the
+row of the last accepted token). Here PyTorch's eager attention (`output_attentions=True`)
+on the same tiny checkpoint gives those weights; the index set our verify pass captured
+and `VerifyGuided.update` selected must be exactly their top-`count`, per layer and
+sequence (ragged lengths), on the XLA backend and on the Pallas backend (interpret mode on
+the CPU: vegas's capture handed over raw to the selection's own kernel, last's rows
+through the verify kernel's capture and the fused top-k kernel). Wrong selections (one
+row only, the oldest positions) must fail the same comparison."""
 
 from __future__ import annotations
 
-import dataclasses
-
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from vegas_jax.attention import Capture, RawCapture
+from vegas_jax.driver import start
+from vegas_jax.execution import ExecConfig
 from vegas_jax.loading import load_model
-from vegas_jax.runtime import exec_config, prefill_prompts, start
+from vegas_jax.prefill import prefill_prompts
 from vegas_jax.sampling import SamplingParams
 from vegas_jax.speculative import SpecConfig, round_capture, verify_phase
 
@@ -49,37 +52,49 @@ def _same_top(got, scores, count, tol=1e-6):
     return all(abs(scores[i] - cut) <= tol * max(abs(cut), 1e-30) for i in got ^ want)
 
 
-@pytest.mark.parametrize("impl", ["xla", "pallas", "raw"])
-def test_vegas_selection_is_the_top_of_verify_rows_0_and_gamma(tiny_hf, impl, request):
-    """raw: the verify's logits handed to the selection's own kernel (`Capture.raw`)."""
-    if impl != "xla":  # the Pallas kernels on the CPU, in interpret mode
-        request.getfixturevalue("pallas_interpret")
+@pytest.fixture(scope="module")
+def llama(tiny_hf):
     ckpt, hf_model = tiny_hf("llama-gqa")
-    model = load_model(checkpoint=ckpt, dtype=jnp.float32)
+    return load_model(checkpoint=ckpt, dtype=jnp.float32), hf_model
+
+
+@pytest.mark.parametrize("method,backend", [
+    ("vegas-paper", "xla"), ("vegas-paper", "pallas"),
+    pytest.param("last", "xla", marks=pytest.mark.slow),
+    ("last", "pallas")])
+def test_selection_is_the_top_of_the_verify_rows(llama, method, backend):
+    model, hf_model = llama
     cfg = model.config
-    spec = SpecConfig(method="vegas-paper", gamma=GAMMA, sparsity=0.1, min_tokens=4)
+    spec = SpecConfig(method=method, gamma=GAMMA, sparsity=0.1, min_tokens=4)
     rng = np.random.default_rng(7)
     prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for n in LENS]
     tails = [rng.integers(3, cfg.vocab_size, GAMMA + 1).tolist() for _ in LENS]  # x0, drafts
+    n_acc = [2, 0] if method == "last" else [0, 0]  # last: the row kept differs by sequence
 
-    attn = "xla" if impl == "xla" else "pallas"
-    ids, cache, xc = start(model, prompts, 8, SamplingParams(), 2 * GAMMA + 2, attn)
-    assert exec_config(model, attn).attn == attn
-    if impl != "xla":  # scores from the verify's epilogue, or the logits themselves
-        xc = dataclasses.replace(xc, select="capture" if impl == "raw" else "fused")
+    ids, cache, xc = start(model, prompts, 8, SamplingParams(), 2 * GAMMA + 2,
+                           ExecConfig(backend=backend))
+    assert xc.backend == backend and xc.pallas == (backend == "pallas")
     _, cache, _ = prefill_prompts(model.params, cfg, xc, ids, cache, None)
     x0 = jnp.asarray([t[0] for t in tails], jnp.int32)
     drafts = jnp.asarray([t[1:] for t in tails], jnp.int32)
     cap = round_capture(spec, cfg, xc, cache.max_len)
-    assert cap == Capture((0, GAMMA), "mean", "weight", raw=impl == "raw")
-    _, vcache, scores = verify_phase(model.params, cfg, xc, cache, x0, drafts, cap)
-    assert isinstance(scores, RawCapture) == (impl == "raw")
-    n = cache.lengths
-    sel = spec.method.update(spec, None, scores, vcache, n, jnp.zeros_like(n), xc)
+    raw = method == "vegas-paper" and backend == "pallas"  # scores from the verify's logits
+    rows = (0, GAMMA) if method == "vegas-paper" else tuple(range(GAMMA + 1))
+    assert cap == Capture(rows, "mean" if method == "vegas-paper" else "rows", "weight",
+                          raw=raw)
+
+    @jax.jit
+    def select(params, cache, x0, drafts, n_acc):  # one program, as in a round
+        _, vcache, scores = verify_phase(params, cfg, xc, cache, x0, drafts, cap)
+        assert isinstance(scores, RawCapture) == raw
+        return spec.method.update(spec, None, scores, vcache, cache.lengths, n_acc, xc)
+
+    sel = select(model.params, cache, x0, drafts, jnp.asarray(n_acc, jnp.int32))
     idx, count = np.asarray(sel.idx), np.asarray(sel.count)
 
     for b, (p, t) in enumerate(zip(prompts, tails)):
-        ref = _reference_scores(hf_model, p + t, len(p), (0, GAMMA))  # [L, n + 1]
+        ref = _reference_scores(hf_model, p + t, len(p),
+                                (0, GAMMA) if method == "vegas-paper" else (n_acc[b],))
         for layer in range(cfg.num_layers):
             c = int(count[layer, b])
             assert c == int(np.ceil(0.1 * (len(p) + GAMMA + 1)))  # the budget, below n + 1
@@ -113,7 +128,7 @@ def test_drafts_after_plain_steps_see_their_own_position(name):
     tokens past `end` reads only stale entries (fails on the code before the fix)."""
     from vegas_jax.cache import init_cache
     from vegas_jax.config import get_config
-    from vegas_jax.selection import TopK, method_named
+    from vegas_jax.methods import TopK, method_named
 
     method = method_named(name)
     spec = SpecConfig(method=name, gamma=2)

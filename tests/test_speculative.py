@@ -1,8 +1,14 @@
-"""Speculative decoding on tiny random models: lossless greedy and sampled output,
-budgets, sparse reads, and selection from the verify pass itself."""
+"""Speculative decoding on tiny random models: lossless greedy and sampled output for every
+product method on the XLA path and through the Pallas kernels (interpret mode on the CPU),
+budgets, sparse reads, the selection from the verify pass itself, and auto's controller
+(exact mode: test_exact).
 
-import dataclasses
+Most of the time here is XLA compiling: the greedy tests share one model, one batch of
+prompts (one prompt bucket: one prefill program per capture) and one length, and each
+(method, score, backend) runs once (`run`)."""
+
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -11,114 +17,348 @@ import pytest
 from scipy import stats
 
 import vegas_jax.model as model_mod
-from vegas_jax import selection as sel
+from tests import rand
+from tests.compiled import call
+from conftest import SPEC_EOS, SPEC_NEW
+from tests.tiny import tiny_model
+from vegas_jax import attention as attn_mod
+from vegas_jax import methods as meth
 from vegas_jax.attention import CAUSAL, AttnPlan
+from vegas_jax.auto import AutoController
 from vegas_jax.cache import init_cache
+from vegas_jax.driver import DecodeClock, Progress, TokenCollector, drive
+from vegas_jax.execution import ExecConfig
 from vegas_jax.generate import generate
+from vegas_jax.methods import Auto, Quest, Stream, Vanilla, VerifyGuided
 from vegas_jax.model import forward
 from vegas_jax.sampling import SamplingParams
-from vegas_jax.execution import ExecConfig
-from vegas_jax.selection import Quest, Stream
-from vegas_jax.speculative import SpecConfig
-from vegas_jax.speculative import speculative_generate
-from tests.tiny import tiny_model
-from tests import rand
+from vegas_jax.speculative import SpecConfig, speculative_generate
 
-METHODS = ["vegas", "vegas-paper", "vegas-all", "vegas-heads", "last", "stream", "quest"]
-XLA = ExecConfig(attn="xla", gemm="triton", layers="scan")
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return tiny_model(scale=0.3)
+# Every speculative product method (`methods.METHODS` less vanilla).
+METHODS = ["vegas", "vegas-paper", "last", "stream", "quest", "auto"]
+XLA = ExecConfig(backend="xla", layers="scan")
+PALLAS = ExecConfig(backend="pallas", layers="scan")
+NEW = SPEC_NEW
+GAMMA = 3
+AUTO_GAMMA = 1  # auto's candidates: gammas 1 and 3 (and plain steps)
 
 
-@pytest.fixture(scope="module")
-def prompts():
-    rng = np.random.default_rng(0)
-    return [rng.integers(0, 100, size=n).tolist() for n in (37, 300, 650)]
+def test_method_lists_are_the_products():
+    assert set(METHODS) == {m for m, obj in meth.METHODS.items() if obj.speculative}
 
 
 @pytest.fixture(scope="module")
-def vanilla(tiny, prompts):
-    return generate(tiny, prompts, 48)
+def setup(spec_model):
+    """(model, prompts, vanilla result): conftest's tiny model, whose EOS ends prompt 1
+    after 6 tokens, in the middle of a round, while prompts 0 and 2 run to the limit:
+    every greedy test also stops a sequence mid-round while the others go on."""
+    model, prompts = spec_model
+    prompts = prompts[:3]
+    vanilla = generate(model, prompts, NEW)
+    lens = [len(t) for t in vanilla.tokens]
+    assert lens == [NEW, 6, NEW] and vanilla.tokens[1][-1] == SPEC_EOS, vanilla.tokens
+    return model, prompts, vanilla
 
 
-# score="logit" only for the methods that capture verify scores: for the others (stream,
-# quest: Method.capture is None) SpecConfig.score never reaches their programs, and a
-# logit case of theirs would compile and run the weight case's program again.
-CAPTURING = [m for m in METHODS if sel.method_named(m).capture(SpecConfig()) is not None]
+@pytest.fixture(scope="module")
+def run(setup):
+    """run(method, score="weight", xc=XLA, **spec) -> speculative_generate's result, each
+    configuration run once per module (the Pallas tests compare with the XLA runs)."""
+    model, prompts, _ = setup
+    done = {}
+
+    def get(method, score="weight", xc=XLA, **kw):
+        key = (method, score, xc, tuple(sorted(kw.items())))
+        if key not in done:
+            gamma = AUTO_GAMMA if method == "auto" else GAMMA
+            spec = SpecConfig(**{"method": method, "gamma": gamma, "min_tokens": 8,
+                                 "score": score, **kw})
+            done[key] = speculative_generate(model, prompts, NEW, spec, exec_config=xc)
+        return done[key]
+
+    return get
 
 
-@pytest.mark.parametrize("method,score", [(m, "weight") for m in METHODS]
-                         + [(m, "logit") for m in CAPTURING])
-def test_greedy_equals_vanilla(tiny, prompts, vanilla, method, score):
-    res = speculative_generate(tiny, prompts, 48,
-                               SpecConfig(method=method, gamma=3, min_tokens=8, score=score))
-    assert res.tokens == vanilla.tokens
-    st = res.stats
+def _check_stats(st, n_prompts, gamma):
     # tau (mean acceptance length) = 1 + the sum of the cumulative acceptance by position,
     # and the cumulative is the running product of the conditional one
     assert st["tau"] == pytest.approx(1 + sum(st["acceptance_cumulative"]))
     assert np.allclose(np.cumprod(st["acceptance_conditional"]), st["acceptance_cumulative"])
     # per sequence: each prompt's own tau, whose round-weighted mean is the batch's
     r = np.array(st["rounds_by_sequence"])
-    assert len(r) == len(prompts) and (r > 0).all()
+    assert len(r) == n_prompts and (r > 0).all()
     assert np.dot(st["tau_by_sequence"], r) / r.sum() == pytest.approx(st["tau"])
     # per call and slot (slot = prompt here): the rounds and tokens of each sequence
     acc = np.array(st["accepted_by_call"])  # [calls, b], -1 = slot inactive
-    assert acc.shape == (st["rounds"], len(prompts)) and acc.max() <= 3
+    assert acc.shape == (st["rounds"], n_prompts) and acc.max() <= gamma
     np.testing.assert_array_equal((acc >= 0).sum(0), r)
     np.testing.assert_allclose(np.where(acc >= 0, acc + 1, 0).sum(0),
                                np.array(st["tau_by_sequence"]) * r)
 
 
-# At sparsity 1 every position is selected whatever the scores: vegas-paper, vegas-all and
-# last draft through vegas's path (one list per layer) and differ from it only in the verify
-# rows they score, which test_greedy_equals_vanilla covers. Kept: one method per draft path
-# (per-layer lists, per-KV-head lists, stream's window, quest's pages).
-@pytest.mark.parametrize("method", ["vegas", "vegas-heads", "stream", "quest"])
-def test_select_everything_accepts_every_draft(tiny, prompts, vanilla, method):
-    # sparsity 1: the draft reads the whole context, so it is the target model itself.
-    res = speculative_generate(tiny, prompts, 48, SpecConfig(method=method, gamma=4,
-                                                             sparsity=1.0, min_tokens=1))
+# Raw logits (score="logit") take other capture and carry paths than softmax weights in
+# the verify and the selection; they are the same for every capturing method (which rows
+# the verify captures is the method's), so vegas's stands for all (the selection itself
+# for both scores: test_policies).
+@pytest.mark.parametrize("method,score",
+                         [(m, "weight") for m in METHODS if m != "auto"]
+                         + [pytest.param("vegas", "logit", marks=pytest.mark.slow)])
+def test_greedy_equals_vanilla(setup, run, method, score):
+    _, prompts, vanilla = setup
+    res = run(method, score)
+    assert res.tokens == vanilla.tokens
+    assert res.stats["method"] == method and res.stats["backend"] == "xla"
+    _check_stats(res.stats, len(prompts), GAMMA)
+
+
+def test_eos_stops_each_sequence(setup, run):
+    """Prompt 1 ends at its EOS (its 6th token), in the middle of a round; the others run
+    to the limit, rounds after it."""
+    res = run("stream")
+    assert [len(t) for t in res.tokens] == [NEW, 6, NEW] and res.tokens[1][-1] == SPEC_EOS
+    r = res.stats["rounds_by_sequence"]
+    assert r[1] < min(r[0], r[2])
+
+
+def test_auto_equals_vanilla_and_reports_its_choices(setup, run):
+    _, _, vanilla = setup
+    res = run("auto")
+    assert res.tokens == vanilla.tokens
+    auto = res.stats["auto"]
+    assert auto["calls"]["gamma 1"] >= 1 and auto["choice"] is not None
+    assert set(auto["tokens_per_s_per_seq"]) <= {"vanilla", "gamma 1", "gamma 3"}
+    # every candidate ran once before decoding (on the state, every sequence marked
+    # finished: the tokens above are unchanged)
+    assert auto["warmed"] == 3
+
+
+def test_auto_switching_gammas_and_plain_steps_stays_lossless(setup, run, monkeypatch):
+    """Every configuration in turn (rounds after a larger gamma's, after plain steps, plain
+    steps after plain steps): the tokens stay vanilla's. Same programs as the test above."""
+    _, _, vanilla = setup
+    run("auto")  # the programs, compiled by the unforced run
+    order = itertools.cycle([3, 1, 0, 3, 0, 0, 1, 1, 3, 3])
+    monkeypatch.setattr(AutoController, "choose", lambda self: next(order))
+    model, prompts, *_ = setup
+    res = speculative_generate(model, prompts, NEW, SpecConfig(method="auto", gamma=AUTO_GAMMA,
+                                                               min_tokens=8), exec_config=XLA)
+    assert res.tokens == vanilla.tokens
+    calls = res.stats["auto"]["calls"]
+    assert calls["vanilla"] >= 2 and calls["gamma 1"] >= 2 and calls["gamma 3"] >= 2
+
+
+# At sparsity 1 every position is selected whatever the scores (the draft is the target
+# model itself): one method per draft path (stream's window, quest's pages; the per-layer
+# lists that vegas, vegas-paper and last draft from: below, in auto's rounds).
+@pytest.mark.parametrize("method", ["stream", pytest.param("quest", marks=pytest.mark.slow)])
+def test_select_everything_accepts_every_draft(setup, method):
+    model, prompts, vanilla = setup
+    res = speculative_generate(model, prompts, NEW, SpecConfig(method=method, gamma=4,
+                                                               sparsity=1.0, min_tokens=1))
     assert res.tokens == vanilla.tokens
     assert res.stats["tau"] == pytest.approx(5.0)
     assert res.stats["acceptance_by_position"] == [1.0] * 4
     assert res.stats["acceptance_conditional"] == [1.0] * 4
 
 
-def test_eos_stops_each_sequence(prompts):
-    m = tiny_model(scale=0.3)
-    ref = generate(m, prompts, 40)
-    eos = ref.tokens[1][5]  # a token the second prompt emits early
-    m_eos = tiny_model(scale=0.3, eos=(eos,))
-    res = speculative_generate(m_eos, prompts, 40, SpecConfig(gamma=3, min_tokens=8))
-    van = generate(m_eos, prompts, 40)
-    assert res.tokens == van.tokens
-    cut = ref.tokens[1].index(eos) + 1
-    assert res.tokens[1] == ref.tokens[1][:cut]
+@pytest.mark.slow
+def test_auto_rounds_after_a_larger_gamma_see_their_own_positions(setup, monkeypatch):
+    """Rounds alternate gamma 6 and 2 at sparsity 1 (the draft reads everything: every
+    draft is accepted) only if each round's tail reaches its own positions; a gamma 2
+    round's own tail (5 entries) ends before them after a gamma 6 round accepted 7."""
+    model, prompts, vanilla = setup
+    order = itertools.cycle([6, 2])
+    monkeypatch.setattr(AutoController, "choose", lambda self: next(order))
+    res = speculative_generate(model, prompts, NEW, SpecConfig(method=Auto(gammas=(2, 6)),
+                                                               gamma=6, sparsity=1.0,
+                                                               min_tokens=1))
+    assert res.tokens == vanilla.tokens
+    calls = res.stats["auto"]["calls"]
+    assert calls["gamma 2"] >= 2 and calls["gamma 6"] >= 2
+    assert res.stats["acceptance_conditional"] == [1.0] * 6
 
+
+# ---------------------------------------------------------------------------------------
+# The Pallas backend (every kernel in interpret mode on the CPU) against the XLA path
+# ---------------------------------------------------------------------------------------
+
+# One method per kernel path: vegas (the raw capture selected in one kernel, fused drafts,
+# the draft MLP kernel), stream (fused drafts, no capture), last (the verify kernel's
+# per-row capture, the fused top-k kernel), quest (drafts around the sparse-attention
+# kernel), vegas with logits (the verify kernel's logit capture). vegas-paper runs vegas's
+# kernels without the carried scores; auto vegas's rounds and the decode kernel.
+@pytest.mark.parametrize("method,score", [
+    ("vegas", "weight"), ("stream", "weight"),
+    pytest.param("last", "weight", marks=pytest.mark.slow),
+    pytest.param("quest", "weight", marks=pytest.mark.slow),
+    pytest.param("vegas", "logit", marks=pytest.mark.slow),
+])
+def test_pallas_backend_equals_the_xla_path(setup, run, monkeypatch, method, score):
+    """speculative_generate on the Pallas backend (prefill and verify with its capture
+    through the verify kernel, the selection from the raw capture in one kernel where the
+    capture allows it else the fused top-k kernel, sparse drafts as one fused kernel a
+    layer, Quest's around the sparse-attention kernel, the draft MLP input as one kernel)
+    gives vanilla's tokens, and the XLA drafts' acceptance (same attention and MLP to
+    rounding, so the same drafts)."""
+    from pallas_kernels import draft_mlp
+
+    _, _, vanilla = setup
+    xla = run(method, score, XLA)
+    kernels = []  # the Pallas kernels traced
+
+    def spy(mod, name):
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, **k: kernels.append(name) or real(*a, **k))
+
+    # `_layer` is jitted on its own: a layer traced by an earlier run (the same verify in
+    # another method's round) would not call the spies again
+    model_mod._layer.clear_cache()
+    spy(attn_mod, "verify_attention")
+    spy(attn_mod, "sparse_step")
+    spy(attn_mod, "sparse_attention")
+    spy(meth, "select_from_capture")
+    spy(meth, "select_topk_fast")
+    spy(draft_mlp, "norm_gate_up")
+    # the draft MLP kernel serves drafts of 64 rows or more: here three
+    monkeypatch.setattr(draft_mlp, "MIN_ROWS", 1)
+    pallas = run(method, score, PALLAS)
+    assert pallas.stats["backend"] == "pallas"
+    assert pallas.tokens == vanilla.tokens
+    assert xla.tokens == vanilla.tokens
+    if method != "auto":  # auto's choices depend on timings
+        assert pallas.stats["tau"] == xla.stats["tau"]
+    assert "verify_attention" in kernels
+    fused = method != "quest"  # Quest picks its pages from the rotated query outside
+    assert ("sparse_step" in kernels) == fused and ("sparse_attention" in kernels) != fused
+    assert ("norm_gate_up" in kernels) == fused
+    captures = meth.method_named(method).capture(SpecConfig()) is not None
+    # the raw capture (mean of softmax weights) is selected from in one kernel
+    raw = captures and score == "weight" and method != "last"
+    assert ("select_from_capture" in kernels) == raw
+    # the prefill's selection, and the non-raw rounds', by the top-k kernel
+    assert ("select_topk_fast" in kernels) == captures
+
+
+# ---------------------------------------------------------------------------------------
+# Budgets and the selection
+# ---------------------------------------------------------------------------------------
 
 def test_budget_rule():
     spec = SpecConfig(gamma=6, sparsity=0.07, min_tokens=256)
     max_len = 10_000
     n = jnp.array([10, 300, 3000, 5000, 9990])
-    k = np.asarray(sel.budget(spec, n, max_len))
+    k = np.asarray(meth.budget(spec, n, max_len))
     # capped at n + 1, floored at min_tokens, ceil(0.07 (n + 7)), capped at ceil(0.07 max_len)
     assert k.tolist() == [11, 256, 256, 351, 700]
-    assert sel.max_budget(spec, max_len) == 700
-    assert sel.max_budget(SpecConfig(sparsity=1.0, min_tokens=1), 512) == 512
+    assert meth.max_budget(spec, max_len) == 700
+    assert meth.max_budget(SpecConfig(sparsity=1.0, min_tokens=1), 512) == 512
 
 
 def test_topk_selection_ranks_only_the_ranked_range():
     spec = SpecConfig(gamma=2, sparsity=0.25, min_tokens=2)
     scores = jnp.array([[[0.1, 0.9, 0.3, 0.8, 5.0, 7.0, 0.0, 0.0]]])  # [L=1, b=1, s=8]
-    idx, count = sel.select_topk(scores, jnp.array([3]), spec, 8)
+    idx, count = call(meth.select_topk, scores, jnp.array([3]), spec, 8)
     # ranked range 0..3: top-2 are positions 1 and 3; 4 and 5 lie beyond it
     assert int(count[0, 0]) == 2
     assert sorted(np.asarray(idx[0, 0, :2]).tolist()) == [1, 3]
 
+
+def test_selection_prefix_is_the_exact_top_count():
+    """The draft reads the first `count` of the K padded entries: they must be the top
+    `count` positions by score, for counts below K too."""
+    spec = SpecConfig(gamma=4, sparsity=0.07, min_tokens=8)
+    max_len = 512
+    scores = rand.normal(jax.random.PRNGKey(0), (2, 2, max_len))
+    r_end = jnp.array([200, 480])
+    idx, count = call(meth.select_topk, scores, r_end, spec, max_len)
+    assert idx.shape[-1] == meth.max_budget(spec, max_len) == 36
+    for layer in range(2):
+        for b in range(2):
+            c = int(count[layer, b])
+            masked = np.where(np.arange(max_len) <= int(r_end[b]),
+                              np.asarray(scores[layer, b]), -np.inf)
+            want = set(np.argsort(-masked, kind="stable")[:c].tolist())
+            assert set(np.asarray(idx[layer, b, :c]).tolist()) == want
+    assert int(count[0, 0]) == 15 and int(count[0, 1]) == 34  # below K = 36
+
+
+def test_draft_reads_only_the_budget(setup):
+    """The draft forward's attention touches K + tail rows, never the cache length."""
+    model = setup[0]
+    cfg = model.config
+    s, kk, tail = 1000, 24, 9  # s distinct from every other dimension of the model
+    b, L = 2, cfg.num_layers
+    cache = init_cache(cfg, b, s, jnp.float32)
+    plan = AttnPlan(mode="sparse", tail_len=tail,
+                    idx=jnp.zeros((L, b, kk), jnp.int32), count=jnp.full((L, b), kk),
+                    tail_start=jnp.array([500, 600]))
+    jaxpr = jax.make_jaxpr(lambda c: forward(model.params, cfg, XLA,
+                                             jnp.ones((b, 1), jnp.int32),
+                                             jnp.array([[505], [603]]), c, plan))(cache)
+    sizes = []
+
+    def walk(jx):
+        for eqn in jx.eqns:
+            if eqn.primitive.name in ("dot_general", "gather", "exp", "reduce_max"):
+                for v in eqn.outvars:
+                    sizes.append((eqn.primitive.name, tuple(v.aval.shape)))
+            for p in eqn.params.values():
+                for sub in (p if isinstance(p, (tuple, list)) else (p,)):
+                    if hasattr(sub, "jaxpr"):
+                        walk(sub.jaxpr if hasattr(sub.jaxpr, "eqns") else sub.jaxpr.jaxpr)
+                    elif hasattr(sub, "eqns"):
+                        walk(sub)
+
+    walk(jaxpr.jaxpr)
+    gathers = [shape for name, shape in sizes if name == "gather"]
+    assert any(kk in shape for shape in gathers) and any(tail in shape for shape in gathers)
+    assert not any(s in shape for _, shape in sizes), [x for x in sizes if s in x[1]]
+
+
+@pytest.mark.parametrize("xc", [XLA, PALLAS], ids=["xla", "pallas"])
+def test_selection_comes_from_the_verify_pass(setup, monkeypatch, xc):
+    """A vegas round runs exactly one full-attention call (the verify), and it is the one
+    that captures rows 0 and gamma (on the Pallas path handed over raw, to the selection's
+    own kernel); drafts are sparse (on the Pallas path one fused kernel a layer). Traced
+    only; batch 2 and 256 positions, shapes no other test here traces (`_layer` is jitted:
+    a trace it cached would not call the spies)."""
+    import vegas_jax.speculative as spm
+
+    calls = []
+    real, real_block = model_mod.attention, model_mod.sparse_block
+
+    def spy(plan, *a, **k):
+        calls.append((plan.mode, plan.capture))
+        return real(plan, *a, **k)
+
+    def spy_block(plan, *a, **k):
+        calls.append(("fused", plan.capture))
+        return real_block(plan, *a, **k)
+
+    monkeypatch.setattr(model_mod, "attention", spy)
+    monkeypatch.setattr(model_mod, "sparse_block", spy_block)
+    model = setup[0]
+    cfg = model.config
+    spec = SpecConfig(method="vegas", gamma=4, min_tokens=4)
+    L, K = cfg.num_layers, meth.max_budget(spec, 256)
+    lens = jnp.array([40, 70])
+    cache = init_cache(cfg, 2, 256, jnp.float32).replace(lengths=lens)
+    x0 = jnp.array([1, 2])
+    sel = meth.TopK(jnp.zeros((L, 2, K), jnp.int32), jnp.full((L, 2), K, jnp.int32), lens,
+                    jnp.zeros((L, 2, 256)))  # what `init` returns (decay: the carried scores)
+    state = spm.SpecState(cache, x0, jax.random.PRNGKey(0), sel, Progress.start(x0, 10, ()))
+    jax.eval_shape(lambda st: spm.spec_round.__wrapped__(model.params, cfg, xc, st, spec,
+                                                         SamplingParams()), state)
+    causal = [c for c in calls if c[0] == "causal"]
+    assert [(mode, cap.rows, cap.reduce, cap.raw) for mode, cap in causal] == [
+        ("causal", (0, 4), "mean", xc.pallas)]
+    drafts = [c for c in calls if c[0] != "causal"]
+    assert drafts and all(c[0] == ("fused" if xc.pallas else "sparse") for c in drafts)
+
+
+# ---------------------------------------------------------------------------------------
+# Sampling: the target distribution
+# ---------------------------------------------------------------------------------------
 
 def softmax64(x, sp: SamplingParams):
     """The processed law (temperature 1; top-k, top-p, min-p in Hugging Face's order) in
@@ -142,34 +382,39 @@ def softmax64(x, sp: SamplingParams):
     return probs()
 
 
-@pytest.mark.parametrize("sp,gamma", [(SamplingParams(1.0), 2),
-                                      (SamplingParams(1.0, top_k=5), 2),
-                                      (SamplingParams(1.0, top_p=0.95, min_p=0.2), 1)],
-                         ids=["dense-q", "top-k-sparse-q", "top-p-min-p-bonus"])
+# The plain law (temperature alone) is the bonus case's without its filters. Rows of the
+# same 40-token prompt, vocab 100 (the other tests' weight shapes: their random init
+# compiled): top-k 5 leaves 25 cells of the joint law, top-p and min-p a few dozen.
+@pytest.mark.parametrize("sp,gamma", [
+    (SamplingParams(1.0, top_k=5), 2),
+    pytest.param(SamplingParams(1.0, top_p=0.95, min_p=0.2), 1, marks=pytest.mark.slow),
+], ids=["top-k-sparse-q", "top-p-min-p-bonus"])
 def test_sampled_output_has_target_distribution(sp, gamma):
     """Many independent rows of one prompt; the first two tokens decoded after the
     prompt's own must follow the model's exact joint law (of the processed distribution:
     with top-k the draft's q takes its sparse form). At gamma 1 the second token is the
     round's bonus token whenever the draft was accepted, so the bonus is tested too."""
-    m = tiny_model(vocab=8, scale=0.5, seed=3)
-    prompt = [1, 2, 3, 4, 5]
-    n_rows = 4000
+    vocab = 100
+    m = tiny_model(vocab=vocab, scale=0.5, seed=3)
+    prompt = list(range(1, 41))
+    n_rows = 3000
+    # stream reads 16 sink + ceil(0.25 n) window entries: most of the prompt, not all
     res = speculative_generate(m, [prompt] * n_rows, 3,
-                               SpecConfig(gamma=gamma, sparsity=0.5, min_tokens=2), sp, seed=1)
+                               SpecConfig(method="stream", gamma=gamma, sparsity=0.25,
+                                          min_tokens=2), sp, seed=1)
     toks = np.array([t[:3] for t in res.tokens])
     # exact law of (t1, t2) given the prompt and t0, for the most frequent t0
-    t0 = np.bincount(toks[:, 0], minlength=8).argmax()
+    t0 = np.bincount(toks[:, 0], minlength=vocab).argmax()
     rows = toks[toks[:, 0] == t0]
-    ctx = jnp.array([prompt + [int(t0)]])
-    cache = init_cache(m.config, 1, 16, jnp.float32)
-    logits, _, _ = forward(m.params, m.config, XLA, ctx, jnp.arange(6)[None], cache, CAUSAL)
-    p1 = softmax64(logits[0, -1], sp)
-    joint = np.zeros((8, 8))
-    for a in range(8):
-        c2 = jnp.array([prompt + [int(t0), a]])
-        lg, _, _ = forward(m.params, m.config, XLA, c2, jnp.arange(7)[None], cache, CAUSAL)
-        joint[a] = p1[a] * softmax64(lg[0, -1], sp)
-    observed = np.bincount(rows[:, 1] * 8 + rows[:, 2], minlength=64).astype(float)
+    t = len(prompt) + 2
+    cache = init_cache(m.config, vocab, 128, jnp.float32)
+    # every continuation in one forward: row a is the prompt, t0, a
+    ctx = jnp.array([prompt + [int(t0), a] for a in range(vocab)])
+    lg, _, _ = jax.jit(forward, static_argnums=(1, 2))(
+        m.params, m.config, XLA, ctx, jnp.broadcast_to(jnp.arange(t), (vocab, t)), cache, CAUSAL)
+    p1 = softmax64(lg[0, -2], sp)
+    joint = np.stack([p1[a] * softmax64(lg[a, -1], sp) for a in range(vocab)])
+    observed = np.bincount(rows[:, 1] * vocab + rows[:, 2], minlength=vocab ** 2).astype(float)
     expected = joint.reshape(-1) / joint.sum() * len(rows)
     assert observed[expected == 0].sum() == 0  # filtered tokens never come out
     keep = expected > 5  # chi-square needs enough mass per cell; pool the rest
@@ -181,67 +426,14 @@ def test_sampled_output_has_target_distribution(sp, gamma):
     assert 1.0 < res.stats["tau"] < gamma + 1  # drafts really were rejected sometimes
 
 
-def test_draft_reads_only_the_budget(tiny):
-    """The draft forward's attention touches K + tail rows, never the cache length."""
-    cfg = tiny.config
-    s, kk, tail = 1000, 24, 9  # s distinct from every other dimension of the model
-    b, L = 2, cfg.num_layers
-    cache = init_cache(cfg, b, s, jnp.float32)
-    spec = AttnPlan(mode="sparse", tail_len=tail,
-                    idx=jnp.zeros((L, b, kk), jnp.int32), count=jnp.full((L, b), kk),
-                    tail_start=jnp.array([500, 600]))
-    jaxpr = jax.make_jaxpr(lambda c: forward(tiny.params, cfg, XLA, jnp.ones((b, 1), jnp.int32),
-                                             jnp.array([[505], [603]]), c, spec))(cache)
-    sizes = []
-
-    def walk(jx):
-        for eqn in jx.eqns:
-            if eqn.primitive.name in ("dot_general", "gather", "exp", "reduce_max"):
-                for v in eqn.outvars:
-                    sizes.append((eqn.primitive.name, tuple(v.aval.shape)))
-            for sub in jax.core.subjaxprs(eqn) if hasattr(jax.core, "subjaxprs") else []:
-                walk(sub)
-            for p in eqn.params.values():
-                if hasattr(p, "jaxpr"):
-                    walk(p.jaxpr if hasattr(p.jaxpr, "eqns") else p.jaxpr.jaxpr)
-
-    walk(jaxpr.jaxpr)
-    gathers = [shape for name, shape in sizes if name == "gather"]
-    assert any(kk in shape for shape in gathers) and any(tail in shape for shape in gathers)
-    assert not any(s in shape for _, shape in sizes), [x for x in sizes if s in x[1]]
-
-
-def test_selection_comes_from_the_verify_pass(tiny, monkeypatch):
-    """A vegas round runs exactly one full-attention call (the verify), and it is the one
-    that captures rows 0 and gamma; drafts are sparse."""
-    calls = []
-    real = model_mod.attention
-
-    def spy(plan, *a, **k):
-        calls.append((plan.mode, plan.capture))
-        return real(plan, *a, **k)
-
-    monkeypatch.setattr(model_mod, "attention", spy)
-    import vegas_jax.speculative as spm
-    from vegas_jax.runtime import Progress
-
-    cfg = tiny.config
-    spec = SpecConfig(gamma=4, min_tokens=4)
-    cache = init_cache(cfg, 2, 256, jnp.float32).replace(lengths=jnp.array([40, 70]))
-    scores = jnp.ones((cfg.num_layers, 2, 256))
-    x0 = jnp.array([1, 2])
-    state = spm.init_state(spec, XLA, cache, x0, jax.random.PRNGKey(0), scores, jnp.array([40, 70]),
-                           Progress.start(x0, 10, ()))
-    jax.eval_shape(lambda st: spm.spec_round.__wrapped__(tiny.params, cfg, XLA, st, spec,
-                                                         SamplingParams()), state)
-    causal = [c for c in calls if c[0] == "causal"]
-    assert [(mode, cap.rows, cap.reduce) for mode, cap in causal] == [("causal", (0, 4), "mean")]
-    assert all(c[0] == "sparse" for c in calls if c[0] != "causal")
-
+# ---------------------------------------------------------------------------------------
+# Bad input
+# ---------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kw", [dict(gamma=0), dict(gamma=2.5), dict(sparsity=0.0),
-                                dict(sparsity=1.5), dict(method="magic"), dict(score="max"),
-                                dict(min_tokens=0)])
+                                dict(sparsity=1.5), dict(sparsity=-0.1), dict(method="magic"),
+                                dict(method="vegas-all"), dict(score="max"),
+                                dict(min_tokens=0), dict(min_tokens=1.5)])
 def test_bad_spec(kw):
     with pytest.raises(ValueError):
         SpecConfig(**kw)
@@ -252,11 +444,21 @@ def test_bad_method_settings():
         Quest(page_size=24)
     with pytest.raises(ValueError, match="sink"):
         Stream(sink=-1)
+    with pytest.raises(ValueError, match="rows"):
+        VerifyGuided("accepted")
+    with pytest.raises(ValueError, match="decay"):
+        VerifyGuided("pair", decay=1.0)
+    with pytest.raises(ValueError, match="speculative base"):
+        Auto(base=Vanilla())
+    with pytest.raises(ValueError, match="gammas"):
+        Auto(gammas=(0, 2))
     assert SpecConfig(method=Stream(sink=4)).method == Stream(sink=4)
     assert SpecConfig(method="stream").name == "stream"
+    assert SpecConfig().name == meth.DEFAULT_METHOD == "auto"
 
 
-def test_bad_inputs(tiny):
+def test_bad_inputs(setup):
+    tiny = setup[0]
     with pytest.raises(ValueError, match="empty batch"):
         speculative_generate(tiny, [], 8)
     with pytest.raises(ValueError, match="empty"):
@@ -271,100 +473,58 @@ def test_bad_inputs(tiny):
         speculative_generate(tiny, [1, 2, 3], 8)
     with pytest.raises(ValueError, match="tokenizer"):
         speculative_generate(tiny, ["hello"], 8)
+    with pytest.raises(TypeError, match="SpecConfig"):
+        speculative_generate(tiny, [[1, 2]], 8, spec="vegas")
+    with pytest.raises(TypeError, match="SamplingParams"):
+        speculative_generate(tiny, [[1, 2]], 8, sampling=1.0)
+    with pytest.raises(TypeError, match="ExecConfig"):
+        speculative_generate(tiny, [[1, 2]], 8, exec_config="xla")
+    with pytest.raises(ValueError, match="max_batch"):
+        speculative_generate(tiny, [[1, 2]], 8, max_batch=0)
 
 
-def test_selection_prefix_is_the_exact_top_count():
-    """The draft reads the first `count` of the K padded entries: they must be the top
-    `count` positions by score, for counts below K too."""
-    from jax import lax
+# ---------------------------------------------------------------------------------------
+# The driver
+# ---------------------------------------------------------------------------------------
 
-    spec = SpecConfig(gamma=4, sparsity=0.07, min_tokens=8)
-    max_len = 1024
-    scores = rand.normal(jax.random.PRNGKey(0), (3, 2, max_len))
-    r_end = jnp.array([400, 1000])
-    idx, count = sel.select_topk(scores, r_end, spec, max_len)
-    assert idx.shape[-1] == sel.max_budget(spec, max_len) == 72
-    for layer in range(3):
-        for b in range(2):
-            c = int(count[layer, b])
-            masked = jnp.where(jnp.arange(max_len) <= r_end[b], scores[layer, b], -jnp.inf)
-            want = set(np.asarray(lax.top_k(masked, c)[1]).tolist())
-            assert set(np.asarray(idx[layer, b, :c]).tolist()) == want
-    assert int(count[0, 0]) == 29 and int(count[0, 1]) == 71  # below K = 72
+def test_progress_stops_at_eos_and_limit():
+    p = Progress.start(jnp.array([5, 6, 7]), 4, eos=(9,))
+    toks = jnp.array([[1, 9, 2, -1], [1, 2, 3, 4], [1, 2, -1, -1]])
+    kept, p = p.emit(toks)
+    assert kept.tolist() == [[1, 9, -1, -1], [1, 2, 3, -1], [1, 2, -1, -1]]
+    assert p.done.tolist() == [True, True, False] and p.n_gen.tolist() == [3, 4, 3]
+    kept, p = p.emit(jnp.array([[3, 3, 3, 3]] * 3))
+    assert kept.tolist() == [[-1] * 4, [-1] * 4, [3, -1, -1, -1]]
+    assert p.done.tolist() == [True, True, True]
 
 
-def test_window_keeps_sink_and_recent_inside_the_budget():
-    """VerifyGuided(sink, recent): the first `sink` and last `recent` positions of the
-    ranked range are selected whatever their scores, the rest is the top by score, and the
-    count (the bytes a draft reads) is the paper selector's."""
-    spec = SpecConfig(gamma=4, sparsity=0.07, min_tokens=8)
-    max_len = 1024
-    scores = rand.uniform(jax.random.PRNGKey(3), (2, 2, max_len))
-    scores = scores.at[:, :, :4].set(-1.0).at[:, 0, 395:401].set(-1.0)  # worst scores
-    n = jnp.array([400, 1000])
-    win = sel.VerifyGuided("pair", sink=4, recent=6)
-    assert win.name == "vegas-window"
-    got = win.update(spec, None, scores, _Cache(max_len), n, jnp.zeros_like(n), None)
-    ref_idx, ref_count = sel.select_topk(scores, n, spec, max_len)
-    np.testing.assert_array_equal(np.asarray(got.count), np.asarray(ref_count))
-    for layer in range(2):
-        for b in range(2):
-            c = int(got.count[layer, b])
-            s = set(np.asarray(got.idx[layer, b, :c]).tolist())
-            forced = set(range(4)) | set(range(int(n[b]) - 5, int(n[b]) + 1))
-            assert forced <= s
-            masked = jnp.where(jnp.arange(max_len) <= n[b], scores[layer, b], -jnp.inf)
-            masked = masked.at[jnp.array(sorted(forced))].set(-jnp.inf)
-            rest = set(np.asarray(jax.lax.top_k(masked, c - len(forced))[1]).tolist())
-            assert s == forced | rest
+def test_drive_keeps_one_call_in_flight():
+    """Call k + 1 is dispatched before call k's output is read."""
+    events = []
+
+    def step(i):
+        events.append(("dispatch", i))
+        done = np.array([i >= 2])
+        return i + 1, (np.array([[i]]), done)
+
+    col = TokenCollector(1, 10, (), on_tokens=lambda new: events.append(("read", new[0][0])))
+    drive(step, 0, col, DecodeClock(col))
+    assert events[:4] == [("dispatch", 0), ("dispatch", 1), ("read", 0), ("dispatch", 2)]
+    assert events[-1] == ("read", 2)
 
 
-def test_window_greedy_equals_vanilla(tiny, prompts, vanilla):
-    res = speculative_generate(tiny, prompts, 48, SpecConfig(method="vegas-window", gamma=3,
-                                                             min_tokens=8))
-    assert res.tokens == vanilla.tokens
+# ---------------------------------------------------------------------------------------
+# auto's controller (vegas_jax.auto), on fake clocks
+# ---------------------------------------------------------------------------------------
 
-
-def test_prefill_rows_greedy_equals_vanilla(tiny, prompts, vanilla):
-    res = speculative_generate(tiny, prompts, 48, SpecConfig(method="vegas-prefill", gamma=3,
-                                                             min_tokens=8))
-    assert res.tokens == vanilla.tokens
-
-
-class _Cache:
-    def __init__(self, max_len):
-        self.max_len = max_len
-
-
-def test_auto_equals_vanilla_and_reports_its_choices(tiny, prompts, vanilla):
-    res = speculative_generate(tiny, prompts, 48, SpecConfig(method="auto", gamma=3,
-                                                             min_tokens=8))
-    assert res.tokens == vanilla.tokens
-    auto = res.stats["auto"]
-    assert auto["calls"]["gamma 3"] >= 1 and auto["choice"] is not None
-    assert set(auto["tokens_per_s_per_seq"]) <= {"vanilla", "gamma 1", "gamma 3", "gamma 5"}
-    # every candidate ran once before decoding (on the state, every sequence marked
-    # finished: the tokens above are unchanged)
-    assert auto["warmed"] == 4
-
-
-def test_auto_rounds_after_a_larger_gamma_see_their_own_positions(tiny, prompts, vanilla,
-                                                                   monkeypatch):
-    """Rounds alternate gamma 6 and 2 at sparsity 1 (the draft reads everything: every
-    draft is accepted) only if each round's tail reaches its own positions; a gamma 2
-    round's own tail (5 entries) ends before them after a gamma 6 round accepted 7."""
-    from vegas_jax.selection import Auto
-    from vegas_jax.speculative import AutoController
-
-    order = iter([6, 2] * 20)
-    monkeypatch.setattr(AutoController, "choose", lambda self: next(order))
-    res = speculative_generate(tiny, prompts, 48, SpecConfig(method=Auto(gammas=(2, 6)),
-                                                             gamma=6, sparsity=1.0,
-                                                             min_tokens=1))
-    assert res.tokens == vanilla.tokens
-    calls = res.stats["auto"]["calls"]
-    assert calls["gamma 2"] >= 2 and calls["gamma 6"] >= 2
-    assert res.stats["acceptance_conditional"] == [1.0] * 6
+def test_auto_candidates():
+    assert Auto().candidates(6) == (4, 6, 8)
+    assert Auto().candidates(1) == (1, 3)
+    assert Auto(gammas=(2, 9)).candidates(4) == (2, 4, 9)
+    ctl = AutoController(SpecConfig(method="auto", gamma=6))
+    assert ctl.gammas == [4, 6, 8] and ctl.spec.method.gammas == (4, 6, 8)
+    # every round's tail holds what the largest candidate's round may leave
+    assert ctl.spec.method.tail_len(ctl.spec, 1024) == 2 * 8 + 1
 
 
 def test_auto_cost_line_follows_the_active_count():
@@ -373,9 +533,6 @@ def test_auto_cost_line_follows_the_active_count():
     mostly tail calls) is cheaper than gamma 6 (12.3 ms, whole-batch calls); the line in
     the active count gives each gamma's time with 10 sequences, and gamma 6 wins there
     where gamma 8 wins with the whole batch."""
-    from vegas_jax.selection import Auto
-    from vegas_jax.speculative import AutoController
-
     cost = lambda g, n: 0.0025 + 0.0009 * g + 0.00006 * n  # noqa: E731  (s)
     ctl = AutoController(SpecConfig(method=Auto(gammas=(4, 6, 8)), gamma=6))
     ctl.queue = []
@@ -406,10 +563,6 @@ def test_auto_cost_line_follows_the_active_count():
 def test_auto_cost_model():
     """tau from conditional acceptance, time from a line through the measured rounds, and
     the choice of the configuration with the most tokens per second."""
-    from vegas_jax.speculative import AutoController
-
-    from vegas_jax.selection import Auto
-
     ctl = AutoController(SpecConfig(method=Auto(gammas=(2, 4, 6, 8)), gamma=4))
     ctl.queue = []
     for a in (4, 4, 2, 3):  # accepted counts of 4 sequence-rounds at gamma 4
@@ -439,9 +592,6 @@ def test_auto_cost_model():
 def test_auto_drops_rounds_that_cannot_win():
     """Plain steps of 1 ms against a 10 ms round at gamma 4: even tau = 5 loses, so the
     rounds still queued for exploration are dropped."""
-    from vegas_jax.selection import Auto
-    from vegas_jax.speculative import AutoController
-
     ctl = AutoController(SpecConfig(method=Auto(gammas=(4,)), gamma=4))
     assert ctl.queue == [4, 4, 4, 4]  # one gamma: no second one to fit a line with
     ctl.queue = [4, 4]
@@ -469,6 +619,12 @@ def _drive_auto(ctl, cost, n_acc, calls, now):
         ctl.read(None if c == 0 else np.array([min(n_acc, c)]), np.array([True]))
 
 
+def _fake_clock(monkeypatch, now):
+    from vegas_jax import auto as auto_mod
+
+    monkeypatch.setattr(auto_mod.time, "perf_counter", lambda: now[0])
+
+
 @pytest.mark.parametrize("plain_step,draft,n_acc,plain", [
     (0.005, 0.0011, 8, False),  # B 64-like: verify ~ a step, cheap drafts: never plain
     (0.0012, 0.0011, 1, True),  # B 1-like: launch-bound drafts, few accepted: plain wins
@@ -478,12 +634,8 @@ def test_auto_explores_rounds_first_and_plain_steps_only_where_they_can_win(
     """auto starts with rounds of two gammas (the line's slope); plain steps (8 a call)
     are tried only when the rounds' intercept says they could win, and then chosen only if
     they do."""
-    from vegas_jax import speculative as spec_mod
-    from vegas_jax.selection import Auto
-    from vegas_jax.speculative import AutoController
-
     now = [0.0]
-    monkeypatch.setattr(spec_mod.time, "perf_counter", lambda: now[0])
+    _fake_clock(monkeypatch, now)
     ctl = AutoController(SpecConfig(method=Auto(gammas=(4, 6, 8)), gamma=6))
     assert ctl.queue == [6, 6, 6, 6, 4, 4, 4]
     verify = 1.3 * plain_step  # a verify reads what a step reads, and captures
@@ -502,12 +654,8 @@ def test_auto_does_not_time_first_dispatches(monkeypatch):
     clock where a plain call takes 8 ms, a round 1.6-1.8 ms (nothing accepted: plain
     steps get probed) and a first dispatch 30 ms more, every interval the controller
     keeps is a call's own time."""
-    from vegas_jax import speculative as spec_mod
-    from vegas_jax.selection import Auto
-    from vegas_jax.speculative import AutoController
-
     now = [0.0]
-    monkeypatch.setattr(spec_mod.time, "perf_counter", lambda: now[0])
+    _fake_clock(monkeypatch, now)
     ctl = AutoController(SpecConfig(method=Auto(gammas=(2, 4)), gamma=4))
     cost = {0: 0.008, 2: 0.0016, 4: 0.0018}
     ctl.runners = {c: (lambda st, c=c: (st, c)) for c in cost}
@@ -533,9 +681,6 @@ def test_auto_times_a_call_only_when_the_host_waited_at_both_ends():
     """A read that found its output ready (the host was late) may have let the next call
     start before it: the interval that read opens is not the call's device time, and is
     kept apart (used only while a configuration has no other)."""
-    from vegas_jax.selection import Auto
-    from vegas_jax.speculative import AutoController
-
     ctl = AutoController(SpecConfig(method=Auto(gammas=(4,)), gamma=4))
     ctl.runners = {c: (lambda st: (st, None)) for c in (0, 4)}
     reads = [(0, 0.0, 1e-3), (0, 0.008, 1e-3),  # waited: 8 ms, the device's time
@@ -555,9 +700,6 @@ def test_auto_ignores_acceptance_of_a_round_after_plain_steps():
     """The first round after plain steps drafts from a selection older than those steps;
     its acceptance (here none) must not drag the estimate of the rounds that follow (here
     all accepted): tau(4) stays 5 (the old code counted it: 3)."""
-    from vegas_jax.selection import Auto
-    from vegas_jax.speculative import AutoController
-
     ctl = AutoController(SpecConfig(method=Auto(gammas=(4,)), gamma=4))
     ctl.runners = {c: (lambda st: (st, None)) for c in (0, 4)}
     for c, n_acc in ((0, None), (4, np.array([0])), (4, np.array([4]))):
@@ -566,37 +708,9 @@ def test_auto_ignores_acceptance_of_a_round_after_plain_steps():
     assert ctl.tau(4) == pytest.approx(5.0)
 
 
-def test_prefill_rows_rank_the_prompt_by_its_last_queries(tiny):
-    """The first selection from the last r prompt tokens' queries: the mean of their
-    one-row captures, finite for prompts shorter than r (their first token repeats)."""
-    from vegas_jax.attention import Capture
-    from vegas_jax.cache import init_cache
-    from vegas_jax.runtime import exec_config, pad_prompts, prefill
-
-    cfg, xc = tiny.config, exec_config(tiny)
-    ids = [[5, 9], list(range(1, 40))]
-    tokens, lens = pad_prompts(ids)
-
-    def scores(rows, toks=tokens, ln=lens):
-        cache = init_cache(cfg, len(ids), 64, jnp.float32)
-        return prefill(tiny.params, cfg, xc, toks, ln, cache,
-                       Capture(rows))[2]  # [L, b, s]
-
-    many = scores((0, 1, 2))
-    assert np.isfinite(np.asarray(many)).all()
-    # the long prompt's three rows, one at a time: prompts cut 0, 1 and 2 tokens short
-    cut = [scores((0,), tokens, jnp.asarray(lens) - k)[:, 1] for k in range(3)]
-    # a row's weights live on its own positions; the mean of the three is the capture
-    np.testing.assert_allclose(np.asarray(many[:, 1]), np.mean(np.stack(cut), 0),
-                               rtol=1e-5, atol=1e-6)
-
-
 def test_auto_warms_every_candidate_in_two_passes():
     """XLA drops every executable's CUDA graphs when a new one is built: all candidates
     are built (first pass) before any is run for its graphs (second pass)."""
-    from vegas_jax.selection import Auto
-    from vegas_jax.speculative import AutoController
-
     ctl = AutoController(SpecConfig(method=Auto(gammas=(2, 4)), gamma=4))
     calls = []
     ctl.prepare(lambda c: c, lambda run, again: calls.append((run, again)) or True)
@@ -609,9 +723,6 @@ def test_auto_estimates_tau_from_the_sequences_still_decoding():
     tau(4) pools them (1 + 0.5 + 0.25 + ...); once the good two have finished, it is the
     remaining two's (1.0: a batch of fixed-length outputs waits on them). A slot that
     comes back (refilled with a new prompt) starts its counts over."""
-    from vegas_jax.selection import Auto
-    from vegas_jax.speculative import AutoController
-
     ctl = AutoController(SpecConfig(method=Auto(gammas=(4,)), gamma=4))
     ctl.runners = {c: (lambda st: (st, None)) for c in (0, 4)}
     both = np.array([4, 4, 0, 0])
@@ -635,12 +746,8 @@ def test_auto_does_not_time_a_read_that_a_stalled_dispatch_delayed(monkeypatch):
     `drive` (dispatch k + 1, then read k): every interval the controller keeps as the
     device's time is a call's own time, and plain steps (3.6 ms a step, rounds' line
     through 4 ms) are never probed."""
-    from vegas_jax import speculative as spec_mod
-    from vegas_jax.selection import Auto
-    from vegas_jax.speculative import AutoController
-
     host = [0.0]
-    monkeypatch.setattr(spec_mod.time, "perf_counter", lambda: host[0])
+    _fake_clock(monkeypatch, host)
     ctl = AutoController(SpecConfig(method=Auto(gammas=(4, 6, 8)), gamma=6))
     cost = {0: 8 * 0.0036, 4: 0.0087, 6: 0.0112, 8: 0.0137}
 
@@ -676,9 +783,6 @@ def test_auto_finish_tau_follows_the_slowest_sequence():
     batch ends with the slow two: finish_tau(4) is theirs (1, up to the shrinkage toward
     the batch's acceptance), not the pooled 1 + 0.5 * 4; with prompts waiting
     (remaining None) it is the pooled mean; once the slow two are done, the fast two's."""
-    from vegas_jax.selection import Auto
-    from vegas_jax.speculative import AutoController
-
     ctl = AutoController(SpecConfig(method=Auto(gammas=(4,)), gamma=4))
     ctl.runners = {4: (lambda st: (st, None))}
     acc = np.array([4, 4, 0, 0])
@@ -697,118 +801,3 @@ def test_auto_finish_tau_follows_the_slowest_sequence():
     ctl.run(4, None)
     ctl.read(acc, np.ones(4, bool), remaining=np.array([100, 100, 0, 0]))
     assert ctl.finish_tau(4) == pytest.approx(5.0, rel=4e-2)  # shrunk: 1 + 4 x 208 / 216
-
-
-def test_progress_stops_at_eos_and_limit():
-    from vegas_jax.runtime import Progress
-
-    p = Progress.start(jnp.array([5, 6, 7]), 4, eos=(9,))
-    toks = jnp.array([[1, 9, 2, -1], [1, 2, 3, 4], [1, 2, -1, -1]])
-    kept, p = p.emit(toks)
-    assert kept.tolist() == [[1, 9, -1, -1], [1, 2, 3, -1], [1, 2, -1, -1]]
-    assert p.done.tolist() == [True, True, False] and p.n_gen.tolist() == [3, 4, 3]
-    kept, p = p.emit(jnp.array([[3, 3, 3, 3]] * 3))
-    assert kept.tolist() == [[-1] * 4, [-1] * 4, [3, -1, -1, -1]]
-    assert p.done.tolist() == [True, True, True]
-
-
-def test_drive_keeps_one_call_in_flight():
-    """Call k + 1 is dispatched before call k's output is read."""
-    from vegas_jax.runtime import DecodeClock, TokenCollector, drive
-
-    events = []
-
-    def step(i):
-        events.append(("dispatch", i))
-        done = np.array([i >= 2])
-        return i + 1, (np.array([[i]]), done)
-
-    col = TokenCollector(1, 10, (), on_tokens=lambda new: events.append(("read", new[0][0])))
-    drive(step, 0, col, DecodeClock(col))
-    assert events[:4] == [("dispatch", 0), ("dispatch", 1), ("read", 0), ("dispatch", 2)]
-    assert events[-1] == ("read", 2)
-
-
-@pytest.mark.parametrize("method,draft", [("vegas", "fused"), ("stream", "split"),
-                                         ("vegas-heads", "fused"), ("vegas", "fused-mlp")])
-def test_pallas_kernels_end_to_end_equal_the_xla_path(pallas_interpret, monkeypatch, method,
-                                                      draft):
-    """speculative_generate through the Pallas kernels (interpret mode on the CPU: prefill,
-    verify with capture, sparse drafts as one fused kernel a layer or split around the
-    sparse-attention kernel, the MLP input as one kernel too) gives the XLA path's tokens,
-    which are vanilla's; the fused drafts' acceptance equals the XLA drafts' (same
-    attention and MLP to rounding, so the same drafts)."""
-    m = tiny_model(scale=0.3)
-    xc = ExecConfig(draft=draft)
-    # norms folded into the projections, as loading does: the fused draft kernel then
-    # applies the input norm's row scale itself (a wrong scale drafts noise: tau differs)
-    m = m._replace(params=model_mod.layout_params(m.params, xc), exec_config=xc)
-    rng = np.random.default_rng(11)
-    prompts = [rng.integers(0, 100, size=n).tolist() for n in (45, 130)]
-    spec = SpecConfig(method=method, gamma=3, min_tokens=8)
-    from pallas_kernels import draft_mlp
-
-    monkeypatch.setattr(draft_mlp, "MIN_ROWS", 1)  # two rows here
-    mlp_calls = []  # traced calls of the draft MLP kernel
-    kernel = draft_mlp.norm_gate_up
-    monkeypatch.setattr(draft_mlp, "norm_gate_up",
-                        lambda *a, **k: mlp_calls.append(a[0].shape) or kernel(*a, **k))
-    ref = generate(m, prompts, 16, attn_impl="xla")
-    xla = speculative_generate(m, prompts, 16, spec, attn_impl="xla")
-    assert not mlp_calls
-    pallas = speculative_generate(m, prompts, 16, spec, attn_impl="pallas")
-    assert bool(mlp_calls) == (draft == "fused-mlp")
-    assert pallas.stats["attn_impl"] == "pallas"
-    assert xla.tokens == ref.tokens
-    assert pallas.stats["tau"] == xla.stats["tau"]
-    assert pallas.tokens == ref.tokens
-
-
-@pytest.mark.parametrize("method", ["vegas", "last", "vegas-heads"])
-def test_exact_verify_rows_are_decode_steps_bit_for_bit(method):
-    """SpecConfig(exact=True): each verify row's logits and K/V are bit for bit those of
-    compiled one-token decode steps over the same tokens (bf16, SmolLM2's widths, batch
-    8), where the batched verify's are not: that is what makes greedy output equal plain
-    decoding's in bf16. Its capture combines the per-row scores as the batched verify's
-    does (pair mean, per row, per head), to bf16 rounding."""
-    from vegas_jax.runtime import prefill_prompts
-    from vegas_jax.speculative import verify_phase
-    from tests.tiny import tiny_config
-
-    cfg = dataclasses.replace(tiny_config(vocab=2000), hidden_size=576, intermediate_size=1536,
-                              num_heads=9, num_kv_heads=3, head_dim=64)
-    p = model_mod.init_params(cfg, jax.random.PRNGKey(0), jnp.bfloat16, scale=0.05)
-    rng = np.random.default_rng(7)
-    b = 8
-    ids = [rng.integers(0, 2000, size=n).tolist() for n in rng.integers(20, 90, b)]
-    spec = SpecConfig(method=method, gamma=4, min_tokens=8)
-    cap = spec.method.capture(spec)
-
-    def fresh():
-        return prefill_prompts(p, cfg, XLA, ids, init_cache(cfg, b, 128, jnp.bfloat16), None)[1]
-
-    x0 = jnp.asarray(rng.integers(0, 2000, b), jnp.int32)
-    drafts = jnp.asarray(rng.integers(0, 2000, (b, spec.gamma)), jnp.int32)
-
-    @jax.jit
-    def decode(cache):  # the step decode_steps compiles, token by token
-        def step(c, xs):
-            tok, i = xs
-            lg, c, _ = forward(p, cfg, XLA, tok[:, None], (cache.lengths + i)[:, None], c,
-                               AttnPlan(active=jnp.ones((b,), bool)))
-            return c, lg[:, 0]
-        toks = jnp.concatenate([x0[:, None], drafts], 1).T
-        c, lg = jax.lax.scan(step, cache, (toks, jnp.arange(toks.shape[0])))
-        return lg.swapaxes(0, 1), c
-
-    verify = jax.jit(lambda c, exact: verify_phase(p, cfg, XLA, c, x0, drafts, cap,
-                                                   jnp.ones((b,), bool), exact),
-                     static_argnums=1)
-    want, wc = decode(fresh())
-    exact, ec, es = verify(fresh(), True)
-    np.testing.assert_array_equal(np.asarray(exact), np.asarray(want))
-    np.testing.assert_array_equal(np.asarray(ec.k, np.float32), np.asarray(wc.k, np.float32))
-    batched, _, bs = verify(fresh(), False)
-    assert not np.array_equal(np.asarray(batched), np.asarray(want))  # what exact is for
-    assert es.shape == bs.shape
-    np.testing.assert_allclose(np.asarray(es), np.asarray(bs), rtol=2e-2, atol=1e-4)
