@@ -15,7 +15,7 @@ from vegas_jax.workloads import long_prompts
 
 pytestmark = pytest.mark.slow
 
-NEW = 48
+NEW = 32
 MIN_TOKENS = 70
 SPARSITY = 0.15
 
