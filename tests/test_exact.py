@@ -50,11 +50,11 @@ def test_matmul_tiles_are_an_argument():
 
 
 def test_invariant_attention_rows_equal_decode_rows():
-    L, b, kh, s, d, g = 2, 5, 3, 2048 + 128, 64, 3
+    L, b, kh, s, d, g = 2, 3, 2, 1024 + 128, 32, 3
     ks = jax.random.split(jax.random.PRNGKey(1), 3)
     kc = jax.random.normal(ks[0], (L, b, kh, s, d), BF16)
     vc = jax.random.normal(ks[1], (L, b, kh, s, d), BF16)
-    n = jnp.array([1500, 700, 2000, 30, 1999])
+    n = jnp.array([1000, 30, 1100])
     q7 = jax.random.normal(ks[2], (b, 7, kh, g, d), BF16)
     pos7 = n[:, None] + jnp.arange(7)
     run = lambda q, k, v, p, **kw: verify_attention(q, k, v, 1, p, interpret=True,  # noqa: E731
@@ -78,7 +78,7 @@ def test_forward_row_is_the_same_in_a_decode_step_a_verify_and_a_padded_batch(ti
     xc = ExecConfig(backend="pallas", layers="scan", exact=True).resolve()
     params = layout_params(m.params, xc)
     rng = np.random.default_rng(0)
-    b, s, n = 5, 256, 40
+    b, s, n = 5, 128, 40
     toks = jnp.asarray(rng.integers(0, cfg.vocab_size, (b, n + 7)), jnp.int32)
     cache = init_cache(cfg, b, s, BF16)
     pos = jnp.broadcast_to(jnp.arange(n), (b, n))
@@ -95,10 +95,11 @@ def test_forward_row_is_the_same_in_a_decode_step_a_verify_and_a_padded_batch(ti
 @pytest.fixture(scope="module")
 def prompts():
     rng = np.random.default_rng(3)
-    return [rng.integers(0, 100, size=k).tolist() for k in (37, 150, 300)]
+    return [rng.integers(0, 100, size=k).tolist() for k in (37, 150)]
 
 
-@pytest.mark.parametrize("backend", [pytest.param("xla", marks=pytest.mark.slow), "pallas"])
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["xla", "pallas"])
 def test_exact_vanilla_alone_equals_the_batch(tiny_bf16, prompts, backend):
     xc = ExecConfig(backend=backend, exact=True)
     batch = generate(tiny_bf16, prompts, 16, exec_config=xc).tokens
@@ -114,8 +115,8 @@ SLOW = pytest.mark.slow
                                     pytest.param("auto", marks=SLOW)])
 def test_exact_greedy_speculative_equals_vanilla_in_bf16(tiny_bf16, prompts, method):
     xc = ExecConfig(backend="pallas", exact=True)
-    ref = generate(tiny_bf16, prompts, 16, exec_config=xc)
-    out = speculative_generate(tiny_bf16, prompts, 16, SpecConfig(method=method, gamma=3,
+    ref = generate(tiny_bf16, prompts, 12, exec_config=xc)
+    out = speculative_generate(tiny_bf16, prompts, 12, SpecConfig(method=method, gamma=3,
                                                                   min_tokens=8), exec_config=xc)
     assert out.tokens == ref.tokens
     assert out.stats["rounds"] > 0
