@@ -47,7 +47,7 @@ def add_model_args(p) -> None:
     p.add_argument("--tp", type=int, default=1, metavar="N",
                    help="tensor parallel over N devices (N divides the model's KV heads)")
     p.add_argument("--exact", action="store_true",
-                   help="verify row by row: greedy output bit-equal to plain decoding in bf16")
+                   help="row-invariant kernels: greedy output bit-equal to plain decoding in bf16")
 
 
 def add_sampling_args(p) -> None:
