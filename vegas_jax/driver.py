@@ -121,7 +121,7 @@ class DecodeClock:
     calls after it (all calls when there is only one). Per call: `dispatch_s` the host's
     time handing the next call to the runtime, `wait_s` its time blocked on the previous
     call's output, `host_s` its own
-    bookkeeping; a call whose output was ready before the host asked (wait under 50 us)
+    bookkeeping; a call whose output was ready before the host asked (wait under READY_S)
     may have left the device idle."""
 
     READY_S = 50e-6
