@@ -284,6 +284,7 @@ def hf_reference(model, prompts, new_tokens: int, sampling, prompt_lookup: bool 
 def check_impls(model, prompts, new_tokens: int, spec: SpecConfig) -> list[dict]:
     """Greedy tokens through the Pallas kernels vs the XLA reference path, for vanilla and
     `spec`'s method: equal, or where they first part (bf16 near-ties can flip)."""
+    from vegas_jax.driver import exec_config
     from vegas_jax.speculative import speculative_generate
 
     rows = []
@@ -291,7 +292,7 @@ def check_impls(model, prompts, new_tokens: int, spec: SpecConfig) -> list[dict]
         s = dataclasses.replace(spec, method=method)
         got = {impl: speculative_generate(
             model, prompts, new_tokens, s,
-            exec_config=dataclasses.replace(model.exec_config, backend=impl)).tokens
+            exec_config=dataclasses.replace(exec_config(model), backend=impl)).tokens
             for impl in ("pallas", "xla")}
         first = []
         for a, b in zip(got["pallas"], got["xla"]):
