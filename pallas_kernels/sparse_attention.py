@@ -502,8 +502,7 @@ def sparse_step(qkv, q_norm, k_norm, rope, k_cache, v_cache, layer, idx, count, 
     `sparse_step_reference`'s semantics.
 
     qkv [b, 1, (n + 2k) * d + extra]: the layer's raw Q/K/V projection, possibly followed
-    by other columns of the same matmul (a merged draft's gate/up: whole heads' widths,
-    never read, so no slice is copied out for the kernel); x [b, h] or None: the
+    by columns the kernel never reads; x [b, h] or None: the
     layer's input, when qkv is its projection before the input RMS norm (whose weight is
     folded into the projection): the kernel scales each sequence's q, k, v by the norm's
     rsqrt(mean(x**2) + eps), one kernel launch a layer fewer; q_norm, k_norm [d]: the Q
@@ -512,9 +511,8 @@ def sparse_step(qkv, q_norm, k_norm, rope, k_cache, v_cache, layer, idx, count, 
     returned; the rest as in `sparse_attention`. Every input but qkv and the norms is the
     same for all layers of a step: built once, outside the layer loop (a per-layer stack
     or concatenation costs a kernel launch a layer).
-    qkv (and x) may carry rows past the cache's b sequences (bq >= b: the model keeps a
-    draft's residual stream at a multiple of 8 rows, `ExecConfig.row_pad`, so that cuBLAS
-    pads no matmul input): their outputs are zeros and they touch no cache.
+    qkv (and x) may carry rows past the cache's b sequences (bq >= b: the model pads a
+    draft's rows to `model.ROW_PAD`): their outputs are zeros and they touch no cache.
     Returns (out [bq, 1, k, g, d] in qkv.dtype, k_cache, v_cache).
     """
     bq = qkv.shape[0]
