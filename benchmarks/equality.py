@@ -1,16 +1,18 @@
-"""Greedy speculative output against vanilla, token for token, on real weights: per dtype
-and method, how many sequences equal vanilla and where the first difference falls; and
-vanilla against itself at another batch size, so that bf16 divergence reads in context (a
-different batch shape alone changes bf16 rounding).
+"""Greedy speculative output against vanilla, token for token, on real weights: per
+execution mode (default / exact), batch, gamma and method, how many sequences equal that
+mode's vanilla and where the first difference falls; and vanilla against itself at other
+batch shapes (each of the first sequences alone, the batch in two halves), since in bf16
+the default mode's rounding follows the batch shape.
 
     PYTHONPATH=. python -m benchmarks.equality --checkpoint smol.gguf \\
-        --prompts-json prompts.json [--dtypes float32,bfloat16] [--exact both] [--json out.json]
+        --prompts-json prompts.json [--batches 1,16,64] [--gammas 6,8,12] \\
+        [--exact both] [--alone 8] [--dtypes bfloat16] [--json out.json]
 
 Prompts are token ids ({"prompts": [[ids], ...]}), each cut to its last --context tokens
-and cut again per sequence to a different length, so the batch is ragged. `--exact`:
-`ExecConfig(exact=True)`, the verify row by row as plain decode steps, whose greedy output
-should equal vanilla's in every dtype. Methods: the library's and the study's plug-ins
-(`benchmarks.methods`), by name."""
+and cut again per sequence to a different length, so the batch is ragged (sequence i is
+the same at every batch size). `--exact yes`: `ExecConfig(exact=True)`, row-invariant
+execution, whose greedy output should equal its vanilla at every batch size. Methods: the
+library's and the study's plug-ins (`benchmarks.methods`), by name."""
 
 from __future__ import annotations
 
@@ -40,6 +42,16 @@ def compare(ref, got):
             "differences": diffs}
 
 
+def ragged(ids, batch: int, context: int):
+    """Sequence i: prompt i mod len(ids), its last `context` tokens, then a share of those
+    that depends on i alone."""
+    out = []
+    for i in range(batch):
+        q = ids[i % len(ids)][-context:]
+        out.append(q[: max(64, len(q) * (16 + i % 16) // 32)])
+    return out
+
+
 def main(argv=None) -> int:
     from benchmarks.methods import method_of
     from vegas_jax import SpecConfig, generate, speculative_generate
@@ -49,55 +61,70 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", required=True, help="GGUF / HF directory / orbax")
     p.add_argument("--prompts-json", required=True)
-    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--batches", default="8", help="comma-separated batch sizes")
     p.add_argument("--context", type=int, default=2048, help="longest prompt, tokens")
     p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--gamma", type=int, default=6)
+    p.add_argument("--gammas", default="6", help="comma-separated draft lengths")
     p.add_argument("--sparsity", type=float, default=0.07)
     p.add_argument("--min-tokens", type=int, default=64)
     p.add_argument("--methods", default=",".join(METHODS))
-    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--dtypes", default="bfloat16")
     p.add_argument("--backend", default="auto", choices=BACKENDS)
-    p.add_argument("--exact", default="no", choices=("no", "yes", "both"),
-                   help="ExecConfig(exact=...): the verify row by row as decode steps; "
-                   "'both' runs every method each way")
+    p.add_argument("--exact", default="both", choices=("no", "yes", "both"),
+                   help="ExecConfig(exact=...); 'both' runs everything each way")
+    p.add_argument("--alone", type=int, default=0, metavar="N",
+                   help="also decode the first N sequences one at a time (vanilla, B 1) "
+                   "and compare them with the largest batch")
     p.add_argument("--json", default=None, metavar="FILE")
     a = p.parse_args(argv)
     methods = {m: method_of(m) for m in a.methods.split(",") if m}
+    batches = [int(b) for b in a.batches.split(",")]
+    gammas = [int(g) for g in a.gammas.split(",")]
     with open(a.prompts_json) as f:
         ids = json.load(f)["prompts"]
-    # ragged: sequence i keeps a different share of the context
-    prompts = [ids[i % len(ids)][-a.context:] for i in range(a.batch)]
-    prompts = [q[: max(64, len(q) * (a.batch + i) // (2 * a.batch))] for i, q in
-               enumerate(prompts)]
     rows = []
-    print(f"batch {a.batch}, prompts {min(map(len, prompts))}-{max(map(len, prompts))} tokens, "
-          f"{a.new_tokens} new, gamma {a.gamma}, sparsity {a.sparsity}, greedy")
-    print("| dtype | run | equal / total | first difference |")
-    print("|---|---|---|---|")
+    print(f"batches {batches}, gammas {gammas}, prompts up to {a.context} tokens, "
+          f"{a.new_tokens} new, sparsity {a.sparsity}, greedy")
+    print("| dtype | mode | batch | run | equal / total | first difference |")
+    print("|---|---|---|---|---|---|")
+
+    def row(dt, mode, batch, name, ref, toks, **extra):
+        c = compare(ref, toks)
+        fd = "-" if c["first_difference"] is None else c["first_difference"]
+        print(f"| {dt} | {mode} | {batch} | {name} | {c['equal']} / {c['total']} | {fd} |",
+              flush=True)
+        rows.append({"dtype": dt, "mode": mode, "batch": batch, "run": name, **extra, **c})
+
     for dt in a.dtypes.split(","):
         model = load_model(checkpoint=a.checkpoint, dtype=getattr(jnp, dt),
                            exec_config=ExecConfig(backend=a.backend))
-        ref = generate(model, prompts, a.new_tokens).tokens
-        half = a.batch // 2
-        other = (generate(model, prompts[:half], a.new_tokens).tokens
-                 + generate(model, prompts[half:], a.new_tokens).tokens)
-        runs = [(f"vanilla at batch {half} vs {a.batch}", other)]
-        exacts = {"no": (False,), "yes": (True,), "both": (False, True)}[a.exact]
-        for m, method in methods.items():
-            for exact in exacts:
-                t = time.perf_counter()
-                xc = dataclasses.replace(model.exec_config, exact=exact)
-                res = speculative_generate(model, prompts, a.new_tokens, SpecConfig(
-                    method=method, gamma=a.gamma, sparsity=a.sparsity,
-                    min_tokens=a.min_tokens), exec_config=xc)
-                runs.append((f"{m}{', exact' if exact else ''} (tau {res.stats['tau']:.2f}, "
-                             f"{time.perf_counter() - t:.0f} s)", res.tokens))
-        for name, toks in runs:
-            c = compare(ref, toks)
-            fd = "-" if c["first_difference"] is None else c["first_difference"]
-            print(f"| {dt} | {name} | {c['equal']} / {c['total']} | {fd} |", flush=True)
-            rows.append({"dtype": dt, "run": name, **c})
+        for exact in {"no": (False,), "yes": (True,), "both": (False, True)}[a.exact]:
+            xc = dataclasses.replace(model.exec_config, exact=exact)
+            mode = "exact" if exact else "default"
+            for batch in batches:
+                prompts = ragged(ids, batch, a.context)
+                ref = generate(model, prompts, a.new_tokens, exec_config=xc).tokens
+                if batch == max(batches) and a.alone:
+                    alone = [generate(model, [q], a.new_tokens, exec_config=xc).tokens[0]
+                             for q in prompts[: a.alone]]
+                    row(dt, mode, batch, "vanilla, each sequence alone (B 1)",
+                        ref[: a.alone], alone, method="vanilla-alone")
+                if batch > 1:
+                    half = batch // 2
+                    other = (generate(model, prompts[:half], a.new_tokens, exec_config=xc).tokens
+                             + generate(model, prompts[half:], a.new_tokens,
+                                        exec_config=xc).tokens)
+                    row(dt, mode, batch, f"vanilla in two batches of {half}", ref, other,
+                        method="vanilla-halves")
+                for gamma in gammas:
+                    for m, method in methods.items():
+                        t = time.perf_counter()
+                        res = speculative_generate(model, prompts, a.new_tokens, SpecConfig(
+                            method=method, gamma=gamma, sparsity=a.sparsity,
+                            min_tokens=a.min_tokens), exec_config=xc)
+                        row(dt, mode, batch, f"{m}, gamma {gamma} (tau {res.stats['tau']:.2f},"
+                            f" {time.perf_counter() - t:.0f} s)", ref, res.tokens,
+                            method=m, gamma=gamma, tau=res.stats["tau"])
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"args": vars(a), "rows": rows}, f, indent=1)

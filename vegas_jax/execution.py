@@ -82,10 +82,13 @@ class ExecConfig:
 
     def compiler_options(self) -> dict:
         """XLA options of every jitted model function: on a GPU, cuBLAS for every GEMM,
-        reading a layer loop's weight slices in place."""
-        if not on_gpu():
-            return {}
-        return {"xla_gpu_enable_triton_gemm": False, "xla_gpu_enable_dynamic_slice_fusion": True}
+        reading a layer loop's weight slices in place; exact, no excess precision."""
+        # exact: round to bf16 wherever the program says, not where fusion happens to keep
+        # fp32 (fusion follows the shapes, so excess precision made rows depend on them)
+        opts = {"xla_allow_excess_precision": False} if self.exact else {}
+        if on_gpu():
+            opts.update(xla_gpu_enable_triton_gemm=False, xla_gpu_enable_dynamic_slice_fusion=True)
+        return opts
 
 
 jax.tree_util.register_static(ExecConfig)
