@@ -94,6 +94,9 @@ def main(argv=None) -> int:
         print(f"| {dt} | {mode} | {batch} | {name} | {c['equal']} / {c['total']} | {fd} |",
               flush=True)
         rows.append({"dtype": dt, "mode": mode, "batch": batch, "run": name, **extra, **c})
+        if a.json:  # after every row: a run cut short keeps what it measured
+            with open(a.json, "w") as f:
+                json.dump({"args": vars(a), "rows": rows}, f, indent=1)
 
     for dt in a.dtypes.split(","):
         model = load_model(checkpoint=a.checkpoint, dtype=getattr(jnp, dt),
@@ -125,9 +128,6 @@ def main(argv=None) -> int:
                         row(dt, mode, batch, f"{m}, gamma {gamma} (tau {res.stats['tau']:.2f},"
                             f" {time.perf_counter() - t:.0f} s)", ref, res.tokens,
                             method=m, gamma=gamma, tau=res.stats["tau"])
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"args": vars(a), "rows": rows}, f, indent=1)
     return 0
 
 
