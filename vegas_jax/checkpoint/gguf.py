@@ -110,50 +110,12 @@ def read_config(reader, path: Path | None = None) -> ModelConfig:
 
 
 def read_tokenizer(reader):
-    """`PreTrainedTokenizerFast` built from the file's tokenizer metadata (no torch).
+    """`PreTrainedTokenizerFast` built from the file's tokenizer metadata (no torch), through
+    public `tokenizers` / `transformers` APIs (`vegas_jax.checkpoint.gguf_tokenizer`). None
+    when the file has no vocabulary, or (with a warning saying why) one we cannot build."""
+    from vegas_jax.checkpoint.gguf_tokenizer import tokenizer_from_gguf
 
-    Needs transformers' GGUF tokenizer mapping, whose location moved between releases;
-    without it the model still loads, with no tokenizer and a warning that says why."""
-    from transformers import PreTrainedTokenizerFast
-
-    try:
-        from transformers.integrations.gguf.gguf_tokenizer_mapping import (
-            GGUF_TOKENIZER_MAPPING,
-            convert_gguf_tokenizer,
-        )
-    except ImportError as e:
-        import warnings
-
-        import transformers
-
-        warnings.warn(f"no tokenizer from the GGUF: transformers {transformers.__version__} "
-                      f"lacks the GGUF tokenizer mapping ({e}); pass prompts as token ids")
-        return None
-
-    if "tokenizer.ggml.tokens" not in reader.fields:
-        return None
-    arch = _field(reader, "general.architecture")
-    groups = {}
-    for group, renames in GGUF_TOKENIZER_MAPPING.items():
-        groups[group] = {
-            new: _field(reader, f"tokenizer.{key}")
-            for key, new in renames.items()
-            if f"tokenizer.{key}" in reader.fields
-        }
-    tok_dict, tok_config = groups["tokenizer"], groups["tokenizer_config"]
-    if tok_dict.get("tokenizer_type") == "llama":
-        tok_config.setdefault("add_bos_token", True)
-    tokens = tok_dict["tokens"]
-    for special, key in (
-        ("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
-        ("unk_token", "unknown_token_id"), ("pad_token", "padding_token_id"),
-    ):
-        idx = _field(reader, f"tokenizer.ggml.{key}")
-        if idx is not None:
-            tok_config[special] = tokens[int(idx)]
-    fast, extra = convert_gguf_tokenizer(arch, tok_dict)
-    tok_config.update(extra or {})
-    return PreTrainedTokenizerFast(tokenizer_object=fast, **tok_config)
+    return tokenizer_from_gguf(reader)
 
 
 def open_gguf(path: str | Path):
