@@ -160,7 +160,7 @@ class VerifyBlocks:
 
 
 # A row's output depends only on its query, position and the cache: decode rows and verify
-# rows agree bit for bit (rows stay under 64 a program, one kind of tensor-core tile).
+# rows agree bit for bit (every program max_rows rows, one tile for every call).
 INVARIANT = VerifyBlocks(block_k=64, num_warps=4, num_stages=2, max_rows=32, row_block=32,
                          waves=False, split_keys=1024)
 
@@ -488,6 +488,9 @@ def _plan(b, kh, t, g, s, *, max_rows, row_block, target_programs, block_k, min_
         rows = pow2_at_least(tq * g)
     nqb = -(-t // tq)
     if split_keys is not None:
+        # one program shape for decode and verify alike: the warps' split of a row's key
+        # reductions follows the tile's rows
+        rows = max(rows, pow2_at_least(max_rows))
         split_len, j = key_splits(s, -(-s // split_keys), block_k)
         return rows, tq, nqb, j, split_len
     per = b * kh * nqb

@@ -68,6 +68,18 @@ def test_invariant_attention_rows_equal_decode_rows():
     assert jnp.array_equal(o7, run(q7, kc, vc, pos7, capture="mean", capture_rows=(0, 6)))
 
 
+@pytest.mark.parametrize("g", [1, 3, 4, 8])
+def test_invariant_plan_runs_decode_verify_and_prefill_in_one_program_shape(g):
+    # on the GPU a 16-row program reduced a row's keys across warps in another order than
+    # a 32-row one: decode rows parted from verify rows
+    from pallas_kernels.verify_attention import _plan
+
+    kw = dict(max_rows=INVARIANT.max_rows, row_block=INVARIANT.row_block, target_programs=528,
+              block_k=64, min_split=512, split_keys=INVARIANT.split_keys)
+    shapes = {_plan(b, 2, t, g, 8192, **kw)[0] for b in (1, 64) for t in (1, 7, 13, 500)}
+    assert shapes == {INVARIANT.max_rows}
+
+
 @pytest.fixture(scope="module")
 def tiny_bf16():
     return tiny_model(scale=0.3, dtype=BF16)
