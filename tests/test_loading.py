@@ -4,6 +4,7 @@ clear error for every bad input."""
 from __future__ import annotations
 
 import copy
+import itertools
 import dataclasses
 import json
 import shutil
@@ -394,3 +395,230 @@ def test_save_refuses_non_empty_dir(tiny_hf, tmp_path):
     with pytest.raises(FileExistsError, match="not empty"):
         save_orbax_checkpoint(tmp_path / "ck", m.config, m.params)
     assert (tmp_path / "ck" / "keep.txt").is_file()
+
+
+# ---------------------------------------------------------------------------------------
+# GGUF: our reader and dequantization against the gguf package's (bit for bit)
+# ---------------------------------------------------------------------------------------
+
+def _gguf_types():
+    """Every tensor type gguf.quants dequantizes."""
+    import gguf
+
+    out = []
+    for t in gguf.GGMLQuantizationType:
+        block, size = gguf.GGML_QUANT_SIZES[t]
+        try:
+            gguf.quants.dequantize(np.zeros((1, 256 // block * size), np.uint8), t)
+        except NotImplementedError:
+            continue
+        out.append(t)
+    return out
+
+
+def _gguf_matrix(rng, t, rows: int, cols: int) -> np.ndarray:
+    """rows x cols of type t: quantized normals, or random bytes where gguf cannot quantize
+    (NaN and inf scales included: the comparisons are of bits)."""
+    import gguf
+
+    try:
+        return gguf.quants.quantize(rng.standard_normal((rows, cols), np.float32) * 0.1, t)
+    except NotImplementedError:
+        block, size = gguf.GGML_QUANT_SIZES[t]
+        return rng.integers(0, 256, (rows, cols // block * size), np.uint8)
+
+
+def write_tiny_gguf(path, arch: str = "llama", untied: bool = False, seed: int = 0):
+    """A 4-layer model whose matrices take every dequantizable type in turn (norms F32)."""
+    import gguf
+
+    L, h, n, k, d, f, v = 4, 256, 4, 2, 64, 512, 320
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(L)
+    w.add_context_length(512)
+    w.add_embedding_length(h)
+    w.add_feed_forward_length(f)
+    w.add_head_count(n)
+    w.add_head_count_kv(k)
+    w.add_key_length(d)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_vocab_size(v)
+    types = itertools.cycle(_gguf_types())
+
+    def matrix(name, rows, cols):
+        t = next(types)
+        w.add_tensor(name, _gguf_matrix(rng, t, rows, cols), raw_dtype=t)
+
+    def norm(name, size):
+        w.add_tensor(name, (1 + 0.1 * rng.standard_normal(size)).astype(np.float32))
+
+    matrix("token_embd.weight", v, h)
+    for i in range(L):
+        p = f"blk.{i}."
+        norm(p + "attn_norm.weight", h)
+        matrix(p + "attn_q.weight", n * d, h)
+        matrix(p + "attn_k.weight", k * d, h)
+        matrix(p + "attn_v.weight", k * d, h)
+        matrix(p + "attn_output.weight", h, n * d)
+        norm(p + "ffn_norm.weight", h)
+        matrix(p + "ffn_gate.weight", f, h)
+        matrix(p + "ffn_up.weight", f, h)
+        matrix(p + "ffn_down.weight", h, f)
+        if arch == "qwen3":
+            norm(p + "attn_q_norm.weight", d)
+            norm(p + "attn_k_norm.weight", d)
+    norm("output_norm.weight", h)
+    if untied:
+        matrix("output.weight", v, h)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def reference_gguf_params(ref, cfg, dtype):
+    """What the loader gave before its fast path, from a `gguf.GGUFReader`:
+    `gguf.quants.dequantize` a tensor, Q/K permutation and transposes on the float32s."""
+    import gguf
+
+    from vegas_jax.checkpoint.common import np_dtype
+    from vegas_jax.checkpoint.gguf import reverse_permute
+    from vegas_jax.params import LayerParams, Params
+
+    tensors = {t.name: t for t in ref.tensors}
+    dt = np_dtype(dtype)
+
+    def get(name):
+        return gguf.quants.dequantize(tensors[name].data, tensors[name].tensor_type)
+
+    def proj(name, heads=0):
+        x = get(name + ".weight")
+        return (reverse_permute(x, heads) if heads and cfg.arch == "llama" else x).T
+
+    layers = []
+    for i in range(cfg.num_layers):
+        p = f"blk.{i}."
+        lp = dict(
+            attn_norm=get(p + "attn_norm.weight"),
+            w_qkv=np.concatenate([proj(p + "attn_q", cfg.num_heads),
+                                  proj(p + "attn_k", cfg.num_kv_heads), proj(p + "attn_v")], 1),
+            wo=proj(p + "attn_output"), mlp_norm=get(p + "ffn_norm.weight"),
+            w_gate_up=np.concatenate([proj(p + "ffn_gate"), proj(p + "ffn_up")], 1),
+            w_down=proj(p + "ffn_down"))
+        if cfg.qk_norm:
+            lp.update(q_norm=get(p + "attn_q_norm.weight"), k_norm=get(p + "attn_k_norm.weight"))
+        layers.append(lp)
+    return Params(
+        embed=get("token_embd.weight").astype(dt),
+        layers=LayerParams(**{k: np.stack([lp[k] for lp in layers]).astype(dt) for k in layers[0]}),
+        final_norm=get("output_norm.weight").astype(dt),
+        lm_head=None if cfg.tie_embeddings else get("output.weight").T.astype(dt))
+
+
+# random bytes make NaN and inf scales: numpy warns, in the loader's threads too
+_NAN_OK = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+
+@_NAN_OK
+@pytest.mark.parametrize("transpose", [False, True])
+@pytest.mark.parametrize("chunk", [None, 700])
+def test_dequantize_matches_gguf_quants(transpose, chunk, monkeypatch):
+    """Every type, whole and in small pieces (`_CHUNK`), as stored and transposed."""
+    import gguf
+
+    from vegas_jax.checkpoint import gguf as ours
+
+    if chunk is not None:
+        monkeypatch.setattr(ours, "_CHUNK", chunk)
+    rng = np.random.default_rng(1)
+    for t in _gguf_types():
+        data = _gguf_matrix(rng, t, 48, 512)
+        data = data.view(np.uint8).reshape(48, -1)  # as a file holds it
+        want = gguf.quants.dequantize(data, t)
+        got = ours.dequantize(ours.Tensor("w", t, (48, 512), data), transpose)
+        want = want.T if transpose else want
+        assert got.shape == want.shape and got.dtype == np.float32, t.name
+        assert np.array_equal(_bits(got), _bits(want)), t.name
+
+
+@_NAN_OK
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("arch,untied", [("llama", False), ("qwen3", True)])
+def test_gguf_params_bit_identical_to_reference(arch, untied, dtype, tmp_path):
+    import gguf
+
+    from vegas_jax.checkpoint import gguf as ours
+
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", arch, untied)
+    reader = ours.open_gguf(path)
+    cfg = ours.read_config(reader, path)
+    assert (cfg.arch, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size) == (
+        arch, 4, 4, 2, 320)
+    assert cfg.tie_embeddings == (not untied) and cfg.qk_norm == (arch == "qwen3")
+    got = ours.read_params(reader, cfg, dtype, path=path)
+    assert_params_identical(got, reference_gguf_params(gguf.GGUFReader(str(path)), cfg, dtype))
+
+
+def test_gguf_reader_matches_gguf_package(tmp_path):
+    """Metadata values, tensor names, types, shapes and bytes as `gguf.GGUFReader` reads them."""
+    import gguf
+
+    from vegas_jax.checkpoint.gguf import open_gguf
+
+    path = tmp_path / "t.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_string("tokenizer.ggml.model", "gpt2")
+    w.add_array("tokenizer.ggml.tokens", ["a", "b", "\u00fcn\u00efc\u00f6d\u00e9", ""])
+    w.add_array("tokenizer.ggml.token_type", [1, 3, 1, 4])
+    w.add_array("tokenizer.ggml.scores", [0.5, -1.25, 3.0, 1e-5])
+    w.add_bool("tokenizer.ggml.add_bos_token", False)
+    w.add_float32("x.f32", 1e-5)
+    w.add_float64("x.f64", 1e-5)
+    w.add_int64("x.i64", -3)
+    w.add_uint16("x.u16", 7)
+    w.add_uint32("general.alignment", 64)
+    w.add_tensor("a", np.arange(6, dtype=np.float32).reshape(2, 3))
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    w.add_tensor("b", gguf.quants.quantize(np.ones((3, 64), np.float32), q8), raw_dtype=q8)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    ours, ref = open_gguf(path), gguf.GGUFReader(str(path))
+    want = {k: f.contents() for k, f in ref.fields.items() if not k.startswith("GGUF.")}
+    got = {k: f.contents() for k, f in ours.fields.items()}
+    assert got == want
+    assert [type(v) for v in got.values()] == [type(v) for v in want.values()]
+    assert list(ours.tensors) == [t.name for t in ref.tensors]
+    for t in ref.tensors:
+        o = ours.tensors[t.name]
+        assert o.tensor_type == t.tensor_type and o.shape == tuple(t.shape.tolist()[::-1])
+        assert o.data.tobytes() == np.asarray(t.data).tobytes()
+
+
+@_NAN_OK
+def test_truncated_gguf_is_an_error(tmp_path):
+    src = write_tiny_gguf(tmp_path / "tiny.gguf")
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(src.read_bytes()[:-1000])
+    with pytest.raises(ValueError, match="does not fit the file"):
+        load_model(checkpoint=cut)
+
+
+@pytest.mark.slow
+def test_smollm2_params_bit_identical_to_reference(smollm2_gguf):
+    """The default model: every metadata value and bf16 weight as the gguf package gives."""
+    import gguf
+
+    from vegas_jax.checkpoint import gguf as ours
+
+    reader, ref = ours.open_gguf(smollm2_gguf), gguf.GGUFReader(str(smollm2_gguf))
+    cfg = ours.read_config(reader, smollm2_gguf)
+    assert cfg == REGISTRY["smollm2-135m"]
+    assert {k: f.contents() for k, f in reader.fields.items()} == {
+        k: f.contents() for k, f in ref.fields.items() if not k.startswith("GGUF.")}
+    assert_params_identical(ours.read_params(reader, cfg, "bf16", path=smollm2_gguf),
+                            reference_gguf_params(ref, cfg, "bf16"))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -158,7 +159,7 @@ def _check_agrees(name: str, cfg: ModelConfig, path: Path) -> ModelConfig:
 
 
 def _to_device(params: Params) -> Params:
-    return jax.tree.map(jnp.asarray, params)
+    return jax.device_put(params)  # the whole tree in one call (quicker than leaf by leaf)
 
 
 def load_model(
@@ -217,10 +218,13 @@ def _load(name, checkpoint, random_init, dtype, seed, unrolled=False) -> Model:
         cfg = gguf.read_config(reader, path)
         if name is not None:
             cfg = _check_agrees(name, cfg, path)
-        tokenizer = gguf.read_tokenizer(reader)
-        if random_init:
-            return Model(cfg, init_params(cfg, jax.random.key(seed), dt, unrolled=unrolled), tokenizer)
-        return Model(cfg, _to_device(gguf.read_params(reader, cfg, dt, path=path)), tokenizer)
+        with ThreadPoolExecutor(1) as pool:  # the tokenizer (Python) while numpy reads weights
+            tokenizer = pool.submit(gguf.read_tokenizer, reader)
+            if random_init:
+                params = init_params(cfg, jax.random.key(seed), dt, unrolled=unrolled)
+            else:
+                params = _to_device(gguf.read_params(reader, cfg, dt, path=path))
+            return Model(cfg, params, tokenizer.result())
 
     from vegas_jax.checkpoint.hf import load_hf_tokenizer
 

@@ -4,6 +4,7 @@ and assembling per-layer host arrays into a stacked `Params` tree."""
 from __future__ import annotations
 
 import dataclasses
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
 import ml_dtypes
@@ -164,11 +165,13 @@ def stack_layers(
     dtype: np.dtype,
     progress: bool = False,
     desc: str = "layers",
+    workers: int = 1,
 ) -> LayerParams:
     """Build stacked `LayerParams` from `get_layer(i)` -> {field: array in OUR layout}.
 
     The stacked buffers are allocated once in the target dtype and filled layer by layer, so
-    peak host memory stays close to the size of the result.
+    peak host memory stays close to the size of the result. workers > 1: that many layers
+    are read at once, on threads (`get_layer` must be thread-safe).
     """
     shapes = layer_shapes(cfg)
     L = cfg.num_layers
@@ -180,12 +183,8 @@ def stack_layers(
         for p, w in zip(FUSED[name], widths):
             where[p] = (name, start, start + w)
             start += w
-    layers = range(L)
-    if progress:
-        from tqdm.auto import tqdm
 
-        layers = tqdm(layers, desc=desc, unit="layer")
-    for i in layers:
+    def fill(i: int):
         got = get_layer(i)
         missing = set(shapes) - set(got)
         if missing:
@@ -193,10 +192,20 @@ def stack_layers(
         for k, s in shapes.items():
             _check_shape(f"layer {i} {k}", got[k], s)
             field, *cols = where[k]
+            # assignment casts to the buffer's dtype in place (no converted copy first)
             if cols:
-                stacked[field][i, ..., cols[0]:cols[1]] = got[k].astype(dtype, copy=False)
+                stacked[field][i, ..., cols[0]:cols[1]] = got[k]
             else:
-                stacked[field][i] = got[k].astype(dtype, copy=False)
+                stacked[field][i] = got[k]
+
+    with ThreadPoolExecutor(workers) as pool:
+        done = pool.map(fill, range(L))
+        if progress:
+            from tqdm.auto import tqdm
+
+            done = tqdm(done, desc=desc, unit="layer", total=L)
+        for _ in done:
+            pass
     return LayerParams(**stacked)
 
 
