@@ -166,7 +166,7 @@ INVARIANT = VerifyBlocks(block_k=64, num_warps=4, num_stages=2, max_rows=32, row
 
 
 def _verify_kernel(layer_ref, *refs, block_k, split_len, s_len, scale, rows, kh, normalize,
-                   cap, windowed=False, stacked=False, dot_sums=False):
+                   cap, windowed=False, stacked=False):
     """Flash-decoding over one key split.
 
     windowed (static): a [1] window input follows layer_ref; each row then sees keys
@@ -183,9 +183,7 @@ def _verify_kernel(layer_ref, *refs, block_k, split_len, s_len, scale, rows, kh,
         buffer [b * kh * n_out, s_pad].
     stacked (static; "main"): the buffer holds every layer's rows, this layer's from row
     layer * b * kh * n_cap on (`capture_buffer`), and comes in as an input aliased to the
-    output (its ref, before o_ref, is not used).
-    dot_sums (static): each row's softmax sum as a dot, whose order is the k loop's, not
-    the order the tile's register layout (which a capture store changes) reduces in."""
+    output (its ref, before o_ref, is not used)."""
     # layer_ref [1]; (win_ref [1]); q_ref [rows, d]; rowpos_ref [rows] (-1 = padding row);
     # k_ref, v_ref [L, b, k, s, d]; with "sum": qc_ref [crow, d], rpc_ref [crow];
     # o_ref [rows, d], m_ref, l_ref [rows]; cap_ref [b * k * n_cap + rows, s_pad] ("main")
@@ -274,10 +272,7 @@ def _verify_kernel(layer_ref, *refs, block_k, split_len, s_len, scale, rows, kh,
         m_new = jnp.maximum(m, qk.max(axis=-1))
         corr = jnp.exp2(m - m_new)
         p = jnp.exp2(qk - m_new[:, None])  # [rows, block_k]
-        if dot_sums:  # every column of the product is the row's sum: max picks one exactly
-            l = l * corr + dot(p, jnp.ones((block_k, 16), jnp.float32)).max(axis=-1)
-        else:
-            l = l * corr + p.sum(axis=-1)
+        l = l * corr + p.sum(axis=-1)
         v = pltr.load(v_ref.at[layer, bi, h, pl.ds(k0, block_k), :], mask=inb[:, None],
                       other=0.0)  # [block_k, d]
         o = o * corr[:, None] + dot(p.astype(v.dtype), v)
@@ -313,8 +308,7 @@ def _verify_call(layer, qr, rowpos, k_cache, v_cache, *, rows, n_splits, split_l
     kernel = functools.partial(
         _verify_kernel, block_k=block_k, split_len=split_len, s_len=s_len,
         scale=d**-0.5 * _LOG2E, rows=rows, kh=kh, normalize=normalize, cap=cap,
-        windowed=window is not None, stacked=cap_into is not None,
-        dot_sums=blocks.split_keys is not None)
+        windowed=window is not None, stacked=cap_into is not None)
     out_shape = [  # o [b, kh, J, R, d], m, l [b, kh, J, R]
         jax.ShapeDtypeStruct((b, kh, n_splits, rtot, d), out_dtype if normalize else jnp.float32),
         jax.ShapeDtypeStruct((b, kh, n_splits, rtot), jnp.float32),
