@@ -87,13 +87,15 @@ def whole_forward(model, xc, batch, context, gamma):
         return logits, cache
 
     verify, _ = fwd(model.params, xc, toks, pos, cache, capture)  # [b, gamma + 1, v]
+    bare, _ = fwd(model.params, xc, toks, pos, cache, None)  # the verify without capture
     steps, c = [], cache
     for j in range(gamma + 1):
         logits, c = fwd(model.params, xc, toks[:, j:j + 1], pos[:, j:j + 1], c, None)
         steps.append(logits[:, 0])
     steps = jnp.stack(steps, axis=1)  # [b, gamma + 1, v]
-    out = {"verify_vs_steps": equal_rows(verify.reshape(-1, verify.shape[-1]),
-                                         steps.reshape(-1, steps.shape[-1]))}
+    flat = lambda a: a.reshape(-1, a.shape[-1])  # noqa: E731
+    out = {"verify_vs_steps": equal_rows(flat(verify), flat(steps)),
+           "uncaptured_verify_vs_steps": equal_rows(flat(bare), flat(steps))}
     alone = []
     for i in sorted({0, batch // 2, batch - 1}):
         one = cache.replace(k=cache.k[:, i:i + 1], v=cache.v[:, i:i + 1],
