@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.matmul import MatmulBlocks, matmul, matmul_reference
+from pallas_kernels.rms_norm import rms_norm, rms_norm_reference
 from pallas_kernels.verify_attention import INVARIANT, verify_attention
 from tests.tiny import tiny_model
 from vegas_jax import ExecConfig, SpecConfig, generate, speculative_generate
@@ -36,6 +37,18 @@ def test_matmul_matches_reference_and_rows_are_invariant(transpose_w):
     assert jnp.array_equal(full[5], one[0])
     assert jnp.array_equal(full[5], seven[2])
     assert jnp.array_equal(full[5], five[0])
+
+
+@pytest.mark.parametrize("h", [576, 128, 40])
+def test_rms_norm_matches_reference_and_rows_are_invariant(h):
+    x = jax.random.normal(jax.random.PRNGKey(2), (37, h), BF16) * 3
+    full = rms_norm(x, 1e-5, interpret=True)
+    np.testing.assert_allclose(np.asarray(full, np.float32),
+                               np.asarray(rms_norm_reference(x, 1e-5), np.float32),
+                               rtol=1e-2, atol=1e-2)
+    assert jnp.array_equal(rms_norm(x[5:6], 1e-5, interpret=True)[0], full[5])  # alone
+    assert jnp.array_equal(rms_norm(x[3:10], 1e-5, interpret=True), full[3:10])  # 7 rows
+    assert jnp.array_equal(rms_norm(x[1:], 1e-5, interpret=True), full[1:])  # shifted
 
 
 def test_matmul_rejects_a_weight_of_the_wrong_shape():

@@ -24,6 +24,7 @@ from jax import lax
 
 from pallas_kernels import draft_mlp, grouped_matmul
 from pallas_kernels.matmul import matmul
+from pallas_kernels.rms_norm import rms_norm as invariant_rms_norm
 from pallas_kernels.sparse_attention import rope_halves
 from vegas_jax.attention import (
     AttnPlan, RawCapture, attention, capture_start, fused_draft, sparse_block,
@@ -53,12 +54,16 @@ def linear(x, w, inv: bool, xc: ExecConfig, transpose_w: bool = False):
     return mm("...h,nh->...n" if transpose_w else "...h,hn->...n", x, w)
 
 
-def rms_norm(x, w, eps):
+def rms_norm(x, w, eps, inv: bool = False, xc: ExecConfig | None = None):
     """Normalise in fp32 as the reference implementations do, then return to x's dtype;
-    w None: a weight already folded into the next matmul (`fold_norms`)."""
-    xf = x.astype(jnp.float32)
-    xf = xf * lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return xf.astype(x.dtype) if w is None else w * xf.astype(x.dtype)
+    w None: a weight already folded into the next matmul (`fold_norms`). inv: through the
+    row-invariant kernel (`ExecConfig.exact`)."""
+    if inv:
+        y = invariant_rms_norm(x, eps, interpret=xc.interpret)
+    else:
+        xf = x.astype(jnp.float32)
+        y = (xf * lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+    return y if w is None else w * y
 
 
 def rope_tables(cfg: ModelConfig, positions):
@@ -95,8 +100,8 @@ def _layer(cfg: ModelConfig, xc: ExecConfig, write: bool, plan: AttnPlan, cos, s
     # a fused draft with the norm's weight folded into w_qkv applies the norm's row scale in
     # its kernel (it commutes with the projection); the verify keeps the model's exact order
     scaled_in_kernel = fused and lp.attn_norm is None
-    h = x if scaled_in_kernel else rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
     inv = xc.exact and plan.mode == "causal"  # prefill, decode, verify: row-invariant
+    h = x if scaled_in_kernel else rms_norm(x, lp.attn_norm, cfg.rms_norm_eps, inv, xc)
     qkv = linear(h, lp.w_qkv, inv, xc)  # [b, t, (n + 2k)*d]
     if lp.b_qkv is not None:
         qkv = qkv + lp.b_qkv
@@ -115,8 +120,8 @@ def _layer(cfg: ModelConfig, xc: ExecConfig, write: bool, plan: AttnPlan, cos, s
     k = per[..., nq:nq + nk].reshape(b, t, k_heads, d)
     v = per[..., nq + nk:].reshape(b, t, k_heads, d)
     if cfg.qk_norm:
-        q = rms_norm(q, lp.q_norm, cfg.rms_norm_eps)
-        k = rms_norm(k, lp.k_norm, cfg.rms_norm_eps)
+        q = rms_norm(q, lp.q_norm, cfg.rms_norm_eps, inv, xc)
+        k = rms_norm(k, lp.k_norm, cfg.rms_norm_eps, inv, xc)
     q = apply_rope(q, cos, sin).reshape(b, t, k_heads, g, d)  # [b, t, k, g, d]
     k = apply_rope(k, cos, sin)  # [b, t, k, d]
     if write:
@@ -158,7 +163,7 @@ def _mlp(cfg: ModelConfig, xc: ExecConfig, x, o, lp: LayerParams, draft: bool = 
         act = draft_mlp.norm_gate_up(x.reshape(b * t, -1), lp.w_gate_up, eps=cfg.rms_norm_eps,
                                      interpret=xc.interpret)
         return x + mm("btf,fh->bth", act.reshape(b, t, -1), lp.w_down)
-    h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
+    h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps, inv, xc)
     if cfg.is_moe:
         return x + _moe(cfg, h, lp, functools.partial(grouped_matmul.ragged_dot, impl=xc.moe))
     gate_up = linear(h, lp.w_gate_up, inv, xc)  # [b, t, 2f], per shard [gate_i | up_i]
@@ -302,8 +307,8 @@ def forward(
     x = x[:b]
     if logits_at is not None:
         x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)  # [b, 1, h]
-    x = rms_norm(x, params.final_norm, cfg.rms_norm_eps)
     inv = xc.exact and plan.mode == "causal"
+    x = rms_norm(x, params.final_norm, cfg.rms_norm_eps, inv, xc)
     if params.lm_head is None:
         logits = linear(x, params.embed, inv, xc, transpose_w=True)
     else:
