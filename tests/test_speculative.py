@@ -9,6 +9,7 @@ prompts (one prompt bucket: one prefill program per capture) and one length, and
 
 import functools
 import itertools
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +23,7 @@ from tests.compiled import call
 from conftest import SPEC_EOS, SPEC_NEW
 from tests.tiny import tiny_model
 from vegas_jax import attention as attn_mod
+from vegas_jax import auto as auto_mod
 from vegas_jax import methods as meth
 from vegas_jax.attention import CAUSAL, AttnPlan
 from vegas_jax.auto import AutoController
@@ -125,11 +127,96 @@ def test_auto_equals_vanilla_and_reports_its_choices(setup, run):
     res = run("auto")
     assert res.tokens == vanilla.tokens
     auto = res.stats["auto"]
-    assert auto["calls"]["gamma 1"] >= 1 and auto["choice"] is not None
+    assert auto["calls"]["gamma 1"] >= 1
     assert set(auto["tokens_per_s_per_seq"]) <= {"vanilla", "gamma 1", "gamma 3"}
-    # every candidate ran once before decoding (on the state, every sequence marked
-    # finished: the tokens above are unchanged)
-    assert auto["warmed"] == 3
+    # 24 tokens at gamma 1 (tau <= 2): fewer calls left at the first read than exploring
+    # the other candidates takes; they are not built, every call is the configured gamma
+    assert auto["build"] == "skipped" and auto["compile_s"] is None
+    assert auto["calls"] == {"gamma 1": auto["calls"]["gamma 1"]} and auto["compiled"] == 1
+
+
+def test_auto_builds_in_the_background_while_it_decodes(setup, run, monkeypatch):
+    """The other candidates compiled in a thread while the calls run (BUILD_MIN_CALLS 0:
+    however short the generation): lossless whichever calls ran once they were built."""
+    _, _, vanilla = setup
+    run("auto")  # gamma 1's round
+    monkeypatch.setattr(AutoController, "BUILD_MIN_CALLS", 0)
+    monkeypatch.setattr(AutoController, "BACKGROUND", True)  # also on the CPU
+    model, prompts, *_ = setup
+    res = speculative_generate(model, prompts, NEW, SpecConfig(method="auto", gamma=AUTO_GAMMA,
+                                                               min_tokens=8), exec_config=XLA)
+    _join_builds()
+    assert res.tokens == vanilla.tokens
+    auto = res.stats["auto"]
+    assert auto["build"] in ("running", "done") and auto["build_background"]
+    if auto["build"] == "running":
+        assert set(auto["calls"]) == {"gamma 1"}
+
+
+def _join_builds():
+    """Wait for auto's background builds (they stop once their generation has returned)."""
+    for t in threading.enumerate():
+        if t.name == "vegas_jax auto build":
+            t.join()
+
+
+def test_auto_decodes_before_its_other_candidates_are_built(setup, run, monkeypatch):
+    """The background build held back for the whole generation: auto decodes every call
+    with its configured gamma, times none, and its tokens are vanilla's."""
+    _, _, vanilla = setup
+    run("auto")  # gamma 1's round, compiled by the unforced run
+    gate = threading.Event()
+    monkeypatch.setattr(auto_mod, "compile_only", lambda run, spent: gate.wait(60))
+    monkeypatch.setattr(AutoController, "BUILD_MIN_CALLS", 0)
+    monkeypatch.setattr(AutoController, "BACKGROUND", True)
+    model, prompts, *_ = setup
+    res = speculative_generate(model, prompts, NEW, SpecConfig(method="auto", gamma=AUTO_GAMMA,
+                                                               min_tokens=8), exec_config=XLA)
+    gate.set()
+    _join_builds()
+    assert res.tokens == vanilla.tokens
+    auto = res.stats["auto"]
+    assert set(auto["calls"]) == {"gamma 1"} and auto["calls"]["gamma 1"] >= 6
+    assert auto["build"] == "running" and auto["compile_s"] is None
+    assert auto["built_after_calls"] is None
+    assert auto["compiled"] == 1 and auto["timed_calls"] == {"gamma 1": [0, 0]}
+    assert auto["choice"] is None
+    assert res.stats["acceptance_conditional"][0] is not None  # acceptance still counted
+
+
+_MAIN_COMPILES: list = []  # compile events on the main thread while a test listens
+_LISTEN = threading.Event()
+jax.monitoring.register_event_duration_secs_listener(
+    lambda event, secs, **kw: _MAIN_COMPILES.append(event) if (
+        _LISTEN.is_set() and "compil" in event
+        and threading.current_thread() is threading.main_thread()) else None)
+
+
+def test_auto_built_before_its_second_call_explores_and_chooses(setup, run, monkeypatch):
+    """BACKGROUND = False: the first read waits for the other candidates' build (however
+    short the generation); the calls after it explore (gamma 1, then 3), time and choose
+    as before, and stay lossless; the main thread compiles nothing (`compile_only` filled
+    the caches that the calls hit) beyond what the first auto run did (the prefill and
+    gamma 1)."""
+    _, _, vanilla = setup
+    run("auto")
+    _join_builds()
+    monkeypatch.setattr(AutoController, "BACKGROUND", False)
+    model, prompts, *_ = setup
+    _MAIN_COMPILES.clear()
+    _LISTEN.set()
+    try:
+        res = speculative_generate(model, prompts, NEW, SpecConfig(
+            method="auto", gamma=AUTO_GAMMA, min_tokens=8), exec_config=XLA)
+    finally:
+        _LISTEN.clear()
+    assert res.tokens == vanilla.tokens
+    assert _MAIN_COMPILES == []
+    auto = res.stats["auto"]
+    # the second call was dispatched before the first read
+    assert auto["build"] == "done" and auto["built_after_calls"] == 2 and auto["compiled"] == 3
+    assert auto["compile_s"] >= 0 and auto["calls"]["gamma 3"] >= 1
+    assert auto["choice"] in ("gamma 1", "gamma 3", "vanilla")
 
 
 def test_auto_switching_gammas_and_plain_steps_stays_lossless(setup, run, monkeypatch):
@@ -708,14 +795,115 @@ def test_auto_ignores_acceptance_of_a_round_after_plain_steps():
     assert ctl.tau(4) == pytest.approx(5.0)
 
 
-def test_auto_warms_every_candidate_in_two_passes():
-    """XLA drops every executable's CUDA graphs when a new one is built: all candidates
-    are built (first pass) before any is run for its graphs (second pass)."""
+def test_auto_builds_the_other_candidates_after_its_first_call():
+    """`prepare` makes every runner and builds none; the first read starts a thread that
+    compiles the others on the state the first call donated, the second gamma explored
+    first and plain steps last; `choose` keeps the configured gamma until the build is
+    over. Too few calls left at the first read: nothing built, the configured gamma
+    throughout. A state with no donated buffer: no thread, each candidate is compiled by
+    its first call."""
+    spent = jnp.ones(2)
+    jax.jit(lambda x: x, donate_argnums=0)(spent)  # spent now holds a donated buffer
+    ctl = AutoController(SpecConfig(method=Auto(gammas=(2, 4, 6)), gamma=4))
+    made, built = [], []
+    ctl.prepare(lambda c: made.append(c) or (lambda st: (st, c)))
+    assert made == [0, 2, 4, 6] and ctl.pending == [2, 6, 0] and ctl.build == "pending"
+    assert ctl.choose() == 4 and ctl.queue[0] == 4  # the queue waits for the build
+    gate = threading.Event()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(auto_mod, "compile_only", lambda run, spent: (
+            gate.wait(60), built.append((run(None)[1], spent))))
+        mp.setattr(AutoController, "BACKGROUND", True)
+        ctl.run(ctl.choose(), spent)
+        assert ctl.spent is spent and ctl.build == "pending"
+        ctl.read(np.array([4]), np.array([True]))  # prompts waiting (remaining None)
+        assert ctl.pending == [] and ctl.build == "running" and ctl.choose() == 4
+        gate.set()
+        _join_builds()
+    assert built == [(2, spent), (6, spent), (0, spent)] and ctl.ready == {0, 2, 4, 6}
+    assert ctl.build == "done" and ctl.built_at is not None and ctl.compile_s >= 0
+    ctl.run(ctl.choose(), None)  # the first dispatch after the build: every buffer dropped
+    assert ctl.warm == {4} and ctl.built_after_calls == 1
+    # BACKGROUND None on a CPU device (these tests'): the first read waits for the build
     ctl = AutoController(SpecConfig(method=Auto(gammas=(2, 4)), gamma=4))
-    calls = []
-    ctl.prepare(lambda c: c, lambda run, again: calls.append((run, again)) or True)
-    assert calls == [(0, False), (2, False), (4, False), (0, True), (2, True), (4, True)]
-    assert ctl.warm_set == {0, 2, 4}
+    ctl.prepare(lambda c: (lambda st: (st, c)))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(auto_mod, "compile_only", lambda run, spent: built.append(run(None)[1]))
+        ctl.run(ctl.choose(), spent)
+        ctl.read(np.array([4]), np.array([True]))
+    assert ctl.build == "done" and ctl.background is False and built[-2:] == [2, 0]
+    # 20 tokens left at tau 5 (every draft accepted): 4 calls, fewer than BUILD_MIN_CALLS
+    ctl = AutoController(SpecConfig(method=Auto(gammas=(2, 4)), gamma=4))
+    ctl.prepare(lambda c: (lambda st: (st, c)))
+    ctl.run(ctl.choose(), spent)
+    ctl.read(np.array([4]), np.array([True]), remaining=np.array([20]))
+    assert ctl.build == "skipped" and ctl.pending == [] and ctl.built_at is None
+    assert ctl.choose() == 4
+    # no donated buffer (a runner that does not donate): built by first calls instead
+    ctl = AutoController(SpecConfig(method=Auto(gammas=(2, 4)), gamma=4))
+    ctl.prepare(lambda c: (lambda st: (st, c)))
+    ctl.run(ctl.choose(), jnp.ones(2))
+    ctl.read(np.array([4]), np.array([True]))
+    assert not any(t.name == "vegas_jax auto build" for t in threading.enumerate())
+    assert ctl.build == "done" and ctl.built_at is not None and ctl.ready == {4}
+
+
+def test_compile_only_compiles_what_a_later_call_runs(caplog):
+    """`compile_only` on a donated state compiles the call and runs nothing; the later
+    call of the same shapes compiles nothing."""
+    from vegas_jax.auto import compile_only
+
+    f = jax.jit(lambda s, k: s * k + 1, static_argnums=1, donate_argnums=0)
+    spent = jnp.ones(4)
+    live = f(spent, 2)  # spent: donated
+    with jax.log_compiles(), caplog.at_level("WARNING"):
+        compile_only(lambda s: f(s, 3), spent)
+        compiled = [r for r in caplog.records if "Compiling" in r.getMessage()]
+        caplog.clear()
+        out = f(live, 3)
+        assert not [r for r in caplog.records if "Compiling" in r.getMessage()]
+    assert len(compiled) == 1
+    np.testing.assert_array_equal(out, 3 * 3.0 + 1)
+
+
+def test_auto_times_nothing_while_its_candidates_are_built(monkeypatch):
+    """Driven like `drive` on a fake clock while the build runs (here until call 10):
+    every call is the configured gamma and none is timed, though acceptance is counted;
+    once built, each configuration's first dispatch (which stalls the host 30 ms: its
+    command buffer recorded) is not timed either, every interval kept is a call's own
+    time, and the exploration that follows finds the best gamma (every draft accepted:
+    gamma 8)."""
+    now = [0.0]
+    _fake_clock(monkeypatch, now)
+    ctl = AutoController(SpecConfig(method=Auto(gammas=(4, 6, 8)), gamma=6))
+    cost = {0: 8 * 0.005, 4: 0.0065 + 4 * 0.0011, 6: 0.0065 + 6 * 0.0011,
+            8: 0.0065 + 8 * 0.0011}
+    ctl.runners = {c: (lambda st, c=c: (st, c)) for c in cost}
+    ctl.ready = set(cost)
+    ctl.built_at, ctl.build_seen = None, False  # a build under way
+    flight = []
+
+    def dispatch():
+        c = ctl.choose()
+        if c not in ctl.warm:
+            now[0] += 0.030
+        ctl.run(c, None)
+        flight.append(c)
+
+    dispatch()
+    for i in range(40):
+        if i == 10:
+            ctl.built_at = now[0]
+        dispatch()
+        c = flight.pop(0)
+        now[0] += cost[c]
+        ctl.read(np.array([c]), np.array([True]))
+        if i < 10:
+            assert not ctl.times and not ctl.loose and set(ctl.calls) == {6}
+    assert ctl.trials[1] >= 10 and ctl.built_after_calls == 11
+    for c, ts in ctl.times.items():
+        assert ts == pytest.approx([cost[c]] * len(ts)), (c, ts)
+    assert ctl.times[6] and ctl.times[4] and ctl.choose() == 8
 
 
 def test_auto_estimates_tau_from_the_sequences_still_decoding():
@@ -740,7 +928,7 @@ def test_auto_estimates_tau_from_the_sequences_still_decoding():
 
 
 def test_auto_does_not_time_a_read_that_a_stalled_dispatch_delayed(monkeypatch):
-    """On the H200 a warmed candidate's first dispatch could still hold the host 15 ms
+    """On the H200 a warm candidate's first dispatch could still hold the host 15 ms
     (a command buffer recorded) while the call in flight ran 11 ms: the read after it
     found the device idle, yet waited ~0.8 ms for the copy of the output. Simulated like
     `drive` (dispatch k + 1, then read k): every interval the controller keeps as the
@@ -756,7 +944,7 @@ def test_auto_does_not_time_a_read_that_a_stalled_dispatch_delayed(monkeypatch):
         return st, c
 
     ctl.runners = {c: functools.partial(runner, c=c) for c in cost}
-    ctl.warm_set = set(cost)
+    ctl.ready = ctl.warm = set(cost)
     free = [0.0]  # when the device finishes the calls queued so far
     flight = []
 

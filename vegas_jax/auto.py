@@ -1,16 +1,28 @@
 """`method="auto"`: vegas with gamma, or plain decoding, chosen call by call while
-generating, from measured call times and the acceptance seen so far."""
+generating, from measured call times and the acceptance seen so far.
+
+Start: auto decodes at once with its configured gamma, which its first call compiles (as
+a fixed method's does). At the first read, where the tokens left need BUILD_MIN_CALLS calls
+or more, a thread compiles the other candidates while it decodes (`compile_only`: each
+runner called on the state the first call donated; XLA's compile releases the GIL; on a
+CPU device the read waits for it instead: the compile would take the calls' cores); a
+shorter generation could not use them and keeps the configured gamma. Until the last one
+is built every call runs the configured gamma and none is timed (a compile holds the host
+and, with its autotuning, the GPU); after it each candidate's first dispatch is not timed
+either (building an executable drops every command buffer), then the controller explores
+and chooses as below. Acceptance is counted throughout: it is the device's, not the
+clock's."""
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
+import threading
 import time
+import weakref
 from typing import Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from vegas_jax.driver import DecodeClock
@@ -30,10 +42,10 @@ class AutoController:
     (`finish_tau`). It starts with rounds of the configured gamma, then a second candidate
     (two gammas give the slope); plain steps are tried once, and only where the line's
     intercept (a verify reads what a plain step reads, and more) says they could win;
-    every REPROBE calls the runner-up runs once when its estimate is close. Every
-    candidate is built and run before decoding (`warm_up`), so a switch never stalls the
-    device; the acceptance of a round right after plain steps is not counted (its drafts
-    read a selection older than those steps)."""
+    every REPROBE calls the runner-up runs once when its estimate is close. The
+    candidates other than the configured gamma are built in the background (`prepare`,
+    module docstring); the acceptance of a round right after plain steps is not counted
+    (its drafts read a selection older than those steps)."""
 
     WINDOW = 3
     VANILLA_STEPS = 8
@@ -55,6 +67,14 @@ class AutoController:
     # the timed calls' active counts spread by this fraction of the largest before the
     # line takes a term in them: a median over whole-batch and tail calls misleads
     ACTIVE_SPREAD = 0.25
+    # None: the others are built in the background unless the device is the host's CPU
+    # (a compile there takes the cores the calls run on: the first read waits for it);
+    # False: the first read waits for them however short the generation (benchmarks of
+    # the adaptive choice from the first calls on); True: in the background
+    BACKGROUND = None
+    # calls left at the first read (the slowest sequence's tokens left over its tau at
+    # the configured gamma) below which the others are not built: exploring takes as many
+    BUILD_MIN_CALLS = 24
 
     def __init__(self, spec):
         g0 = spec.gamma
@@ -89,27 +109,78 @@ class AutoController:
         self.runners: dict[int, Callable] = {}
         self.dispatch_s: dict[int, list[float]] = collections.defaultdict(list)
         self._cache = None  # `_timing`'s
-        self.warm_set: set[int] = set()  # candidates run once before decoding (`prepare`)
+        # configurations whose executables exist (the builder thread adds to it) / that
+        # were dispatched since the last build (their kernels loaded, command buffers
+        # recorded: their next dispatch does not stall the host)
+        self.ready: set[int] = set()
+        self.warm: set[int] = set()
+        self.pending: list[int] = []  # built in the background after the first call
+        self.spent = None  # the state the first call donated (`compile_only`)
+        # "none" (nothing to build), "pending", "skipped" (too few calls left), "running",
+        # "done"
+        self.build = "none"
+        self.background = None  # whether the build ran in the background
+        # when the background build ended (perf_counter); None until then
+        self.built_at: float | None = -np.inf
+        self.build_seen = True  # `run` has seen the build end
+        self.built_after_calls = None  # calls dispatched before it saw the end
         # the first calls: (configuration, interval s or None, fair, wait s, dispatch s)
         self.trace: list = []
-        self.compile_s = 0.0
+        self.compile_s = None  # the background build's seconds (None: not finished)
 
-    def prepare(self, make: Callable[[int], Callable], warm: Callable | None = None):
-        """Build and warm every candidate before decoding: `make(config)` returns its
-        runner; `warm(runner, again)` runs it, in two passes over all candidates (the
-        first builds the executables, the second records their command buffers)."""
-        t = time.perf_counter()
-        configs = [0, *self.gammas]
-        for c in configs:
+    def prepare(self, make: Callable[[int], Callable]):
+        """`make(config)` returns each candidate's runner (run(state) -> (state, out),
+        donating the state). The configured gamma is compiled by its first call; the
+        others, the second one explored first, in a thread from the first read on
+        (`read`, `_build`)."""
+        g0 = self.spec.gamma
+        for c in (0, *self.gammas):
             self.runners[c] = make(c)
-        for again in (False, True) if warm is not None else ():
-            for c in configs:
-                if warm(self.runners[c], again):
-                    self.warm_set.add(c)
-        self.compile_s = time.perf_counter() - t
+        second = next((c for c in self.queue if c != g0), None)
+        rest = [g for g in sorted(self.gammas, reverse=True) if g not in (g0, second)]
+        self.pending = [c for c in (second, *rest, 0) if c is not None]
+        if self.pending:
+            self.built_at, self.build_seen, self.build = None, False, "pending"
+
+    def _build(self, spent):
+        """Compile the pending candidates in a thread (`compile_only` on `spent`, the
+        state the first call donated), one after another; it stops early once the
+        controller is dropped (the generation is over: the process waits at exit for the
+        compile under way only). Where `spent` holds no donated buffer, each candidate is
+        compiled by its first call instead."""
+        order, self.pending, self.spent = self.pending, [], None
+        if not any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree.leaves(spent)):
+            self.built_at, self.build = time.perf_counter(), "done"
+            return
+        self.build = "running"
+        self.background = (jax.default_backend() != "cpu" if self.BACKGROUND is None
+                           else self.BACKGROUND)
+        me, runners, ready, t0 = weakref.ref(self), self.runners, self.ready, time.perf_counter()
+
+        def build():
+            for c in order:
+                if me() is None:
+                    return
+                try:
+                    compile_only(runners[c], spent)
+                    ready.add(c)
+                except Exception:  # noqa: BLE001 (its first call compiles it, and raises)
+                    pass
+            ctl = me()
+            if ctl is not None:
+                ctl.compile_s, ctl.build = time.perf_counter() - t0, "done"
+                ctl.built_at = time.perf_counter()
+
+        thread = threading.Thread(target=build, name="vegas_jax auto build")
+        thread.start()
+        if not self.background:
+            thread.join()
 
     def choose(self) -> int:
-        """The next call's configuration: a gamma, or 0 for plain decoding."""
+        """The next call's configuration: a gamma, or 0 for plain decoding (the configured
+        gamma while the other candidates are built)."""
+        if self.built_at is None:
+            return self.spec.gamma
         rates = self.rates()
         if self.queue and self.queue[0] and 0 in rates:
             t = self.round_time(self.queue[0])
@@ -139,15 +210,24 @@ class AutoController:
         return best
 
     def run(self, config: int, state):
+        if not self.build_seen and self.built_at is not None:
+            # the background build is over: every command buffer was dropped on the way
+            self.build_seen, self.warm = True, set()
+            self.built_after_calls = sum(self.calls.values())
+        self.ready.add(config)  # built by this dispatch if not before
         # dispatched while the call before it runs: the interval that the next read closes
-        # (a candidate warmed before decoding has its kernels and command buffers ready)
-        self.skip_next |= self.calls[config] == 0 and config not in self.warm_set
+        # holds its first dispatch since the last build (kernels loaded, command buffers
+        # recorded) unless it is warm
+        self.skip_next |= config not in self.warm
+        self.warm.add(config)
         self.calls[config] += 1
         t = time.perf_counter()
         out = self.runners[config](state)
         dt = time.perf_counter() - t
         self.dispatch_s[config].append(dt)
         self.in_flight.append((config, dt))
+        if self.pending and self.spent is None:
+            self.spent = state  # donated by the call just dispatched
         return out
 
     def read(self, n_acc=None, active=None, ready_at=None, wait_s=None, remaining=None):
@@ -165,7 +245,10 @@ class AutoController:
         self.remaining = None if remaining is None else np.asarray(remaining)
         active = None if active is None else np.asarray(active, bool)
         n_ran = None if active is None else int(active.sum())  # sequences this call ran
-        if self.last_read is not None and not self.skip_next:  # the first read has no start
+        # no interval is timed that began before the background build ended
+        built = self.built_at is not None and self.last_read is not None \
+            and self.built_at <= self.last_read
+        if built and not self.skip_next:  # the first read has no start
             # An interval is the call's device time only when the host waited at both of
             # its ends; otherwise the next call may have started before the read.
             fair = waited and self.last_waited
@@ -195,6 +278,14 @@ class AutoController:
             self.hits[1:config + 1] += hit.sum(0)
             self.slot_trials[:, 1:config + 1] += tried
             self.slot_hits[:, 1:config + 1] += hit
+        if self.spent is not None:  # the first read: build the others if they can be used
+            rem = self.remaining
+            left = None if rem is None or not len(rem) else \
+                rem.max() / self.finish_tau(self.spec.gamma)
+            if self.BACKGROUND is False or left is None or left >= self.BUILD_MIN_CALLS:
+                self._build(self.spent)
+            else:
+                self.pending, self.spent, self.build = [], None, "skipped"
 
     def _live(self, active):
         """The sequences the next calls decode: those active in the latest round. A slot
@@ -376,7 +467,12 @@ class AutoController:
             # the host's time handing each call to the runtime (median)
             "dispatch_ms": {name(c): 1e3 * float(np.median(t))
                             for c, t in sorted(self.dispatch_s.items())},
+            # the other candidates' build in the background (`build`), its seconds and
+            # the calls dispatched before it ended (None: not finished when they were)
+            "build": self.build,
+            "build_background": self.background,
             "compile_s": self.compile_s,
+            "built_after_calls": self.built_after_calls,
             # the line t = a + b gamma + c active (ms) in use at the end, if the calls' active
             # counts spread (`_active_line`)
             "active_line_ms": (None if (ln := self._active_line()) is None
@@ -384,47 +480,23 @@ class AutoController:
             # the first calls: configuration, interval ms (None: not timed), fair, the
             # host's wait for its output and its dispatch (ms)
             "trace": [[name(c), ms(t), f, ms(w), ms(d)] for c, t, f, w, d in self.trace],
-            "warmed": len(self.warm_set),
+            "compiled": len(self.ready),  # candidates built by the end
         }
 
 
-@functools.partial(jax.jit, donate_argnums=0)
-def _all_finished(state, flag):
-    """The state, in its own buffers, with every sequence marked finished."""
-    done = state.progress.done
-    return state.replace(progress=state.progress.replace(
-        done=jnp.where(flag, jnp.ones_like(done), done)))
-
-
-def _without_kv(state):
-    """Everything in the state but the cache's K/V."""
-    return state.replace(cache=state.cache.replace(k=None, v=None))
-
-
-@functools.partial(jax.jit, donate_argnums=0)
-def _restored(state, saved, flag):
-    """`saved`'s small leaves with `state`'s K/V, in `state`'s buffers. The small leaves
-    are computed (`where` on a traced flag): a leaf passed through from `saved` would get
-    a buffer of its own, not the donated one."""
-    small = jax.tree.map(lambda old, new: jnp.where(flag, new, old), _without_kv(state), saved)
-    return small.replace(cache=small.cache.replace(k=state.cache.k, v=state.cache.v))
+def compile_only(run: Callable, spent) -> None:
+    """Compile `run`'s executable without running it. `spent`: a state whose buffers were
+    donated to an earlier call of the same shapes: jit traces and compiles the call (which
+    fills the caches that later calls hit), then refuses to run on deleted buffers."""
+    try:
+        run(spent)
+    except RuntimeError as e:
+        if "deleted" not in str(e):
+            raise
 
 
 def warm_up(auto: AutoController, state, make: Callable[[int], Callable]):
-    """Build and run every candidate of `auto` on the decoding state's own buffers with
-    every sequence marked finished (nothing is emitted or advanced; K/V written past each
-    length is rewritten before any read), twice: XLA drops every executable's command
-    buffers whenever a new one is built, so the second pass records them with nothing
-    built after. Returns the state as it was. `make(config)` -> run(state) -> (state, out)."""
-    saved = jax.tree.map(jnp.copy, _without_kv(state))  # before its buffers are donated
-    box = {"state": _all_finished(state, True)}
-
-    def warm(run, again: bool) -> bool:
-        if again and not box.get("restored"):  # build the restore before graphs record
-            box["state"] = _all_finished(_restored(box["state"], saved, True), True)
-            box["restored"] = True
-        box["state"], _ = run(box["state"])
-        return True
-
-    auto.prepare(make, warm)
-    return jax.block_until_ready(_restored(box["state"], saved, True))
+    """Make `auto`'s runners (`prepare`); their builds start with the first call. Returns
+    the state. `make(config)` -> run(state) -> (state, out)."""
+    auto.prepare(make)
+    return state

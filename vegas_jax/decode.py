@@ -156,8 +156,15 @@ def run(args) -> int:
     if "auto" in st:
         a = st["auto"]
         calls = ", ".join(f"{k} x{n}" for k, n in a["calls"].items())
-        log(f"[vegas_jax] auto: device calls {calls}; best now {a['choice']} (candidates "
-            f"compiled in {a['compile_s']:.1f}s)")
+        n = a["built_after_calls"]
+        built = {"skipped": "not built, too few calls left to try them",
+                 "running": "still compiling in the background at the end",
+                 "done": f"compiled in {a['compile_s'] or 0:.1f}s "
+                 + ("in the background" if a["build_background"] else "at the first read")
+                 + (", after the last call" if n is None else f", in use from call {n + 1}")
+                 }.get(a["build"], a["build"])
+        log(f"[vegas_jax] auto: device calls {calls}; best now {a['choice'] or '-'} (started "
+            f"on gamma {spec.gamma}; the other candidates {built})")
     return 0
 
 

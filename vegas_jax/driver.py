@@ -43,13 +43,11 @@ class Progress:
 
     @classmethod
     def start(cls, first, max_new_tokens, eos: tuple) -> "Progress":
-        """After the prefill sampled `first` [b]; max_new_tokens: one limit or one a row."""
-        b = first.shape[0]
-        p = cls(n_gen=jnp.zeros((b,), jnp.int32),
-                limit=jnp.asarray(token_limits(max_new_tokens, b), jnp.int32),
-                done=jnp.zeros((b,), bool), eos=tuple(eos))
-        _, p = p.emit(first[:, None])
-        return p
+        """After the prefill sampled `first` [b]; max_new_tokens: one limit or one a row.
+        One jitted program (op by op, each of emit's ops compiled on its own before the
+        first token)."""
+        limit = np.asarray(token_limits(max_new_tokens, first.shape[0]), np.int32)
+        return _start_progress(first, limit, tuple(eos))
 
     def emit(self, tokens):
         """tokens [b, T] (-1 = nothing) -> (the tokens kept, -1 elsewhere; new progress).
@@ -62,6 +60,15 @@ class Progress:
         n_gen = self.n_gen + keep.sum(axis=1, dtype=jnp.int32)
         done = self.done | (n_gen >= self.limit) | jnp.any(is_eos & keep, axis=1)
         return jnp.where(keep, tokens, -1), self.replace(n_gen=n_gen, done=done)
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _start_progress(first, limit, eos: tuple) -> Progress:
+    b = first.shape[0]
+    p = Progress(n_gen=jnp.zeros((b,), jnp.int32), limit=limit, done=jnp.zeros((b,), bool),
+                 eos=eos)
+    _, p = p.emit(first[:, None])
+    return p
 
 
 class TokenCollector:
@@ -333,6 +340,19 @@ class Launch(NamedTuple):
     collector: TokenCollector
 
 
+def _split(seed) -> tuple:
+    return tuple(jax.random.split(jax.random.PRNGKey(seed)))
+
+
+_split_jit = jax.jit(_split)
+
+
+def _keys(seed) -> tuple:
+    """The loop's and the prefills' PRNG keys: one program where the seed fits int32 (op
+    by op, three are compiled before the first token)."""
+    return _split_jit(seed) if -2**31 <= seed < 2**31 else _split(seed)
+
+
 def launch(model, prompts, max_new_tokens, sampling, extra_len, exec_cfg, max_batch, seed,
            on_tokens) -> Launch:
     """`start`, plus what every decoding loop makes next: the per-prompt limits, the keys,
@@ -340,7 +360,7 @@ def launch(model, prompts, max_new_tokens, sampling, extra_len, exec_cfg, max_ba
     ids, cache, xc = start(model, prompts, max_new_tokens, sampling, extra_len, exec_cfg,
                            max_batch)
     limits = token_limits(max_new_tokens, len(ids))
-    key, k0 = jax.random.split(jax.random.PRNGKey(seed))
+    key, k0 = _keys(seed)
     eos = eos_ids(model)
     collector = TokenCollector(cache.batch, limits, eos, on_tokens, n_prompts=len(ids))
     return Launch(ids, cache, xc, limits, key, k0, eos, collector)
