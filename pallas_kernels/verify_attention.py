@@ -304,7 +304,8 @@ def _verify_call(layer, qr, rowpos, k_cache, v_cache, *, rows, n_splits, split_l
     s_len = k_cache.shape[3]
     s_pad = pl.cdiv(s_len, block_k) * block_k  # capture stores whole key blocks
     nqb = rtot // rows
-    normalize = n_splits == 1
+    # a row-invariant plan always combines its splits: one split or many, the same sums
+    normalize = n_splits == 1 and blocks.split_keys is None
     kernel = functools.partial(
         _verify_kernel, block_k=block_k, split_len=split_len, s_len=s_len,
         scale=d**-0.5 * _LOG2E, rows=rows, kh=kh, normalize=normalize, cap=cap,
@@ -491,8 +492,10 @@ def _plan(b, kh, t, g, s, *, max_rows, row_block, target_programs, block_k, min_
         # one program shape for decode and verify alike: the warps' split of a row's key
         # reductions follows the tile's rows
         rows = max(rows, pow2_at_least(max_rows))
-        split_len, j = key_splits(s, -(-s // split_keys), block_k)
-        return rows, tq, nqb, j, split_len
+        # keys cut at fixed multiples whatever the cache's length (which follows the
+        # batch's longest prompt): a row's splits are the same in every cache
+        split_len = -(-split_keys // block_k) * block_k
+        return rows, tq, nqb, -(-s // split_len), split_len
     per = b * kh * nqb
     max_splits = max(1, -(-s // max(min_split, block_k)))
     j = max(1, min(max_splits, -(-target_programs // per)))
@@ -612,7 +615,7 @@ def verify_attention(
         blocks=resolved, interpret=interpret, out_dtype=q.dtype, cap=cap, qc=qc, rpc=rpc,
         window=window, cap_into=capture_into)
 
-    if n_splits == 1:  # the kernel normalised already; m holds the LSE
+    if n_splits == 1 and blocks.split_keys is None:  # normalised in the kernel; m is the LSE
         out = o[:, :, 0]  # [b, k, R, d]
         lse = m[:, :, 0]  # [b, k, R], log2 units
     else:

@@ -81,6 +81,21 @@ def test_invariant_attention_rows_equal_decode_rows():
     assert jnp.array_equal(o7, run(q7, kc, vc, pos7, capture="mean", capture_rows=(0, 6)))
 
 
+def test_invariant_attention_rows_do_not_depend_on_the_cache_length():
+    # a cache is as long as its batch's longest prompt: a row alone and the same row in a
+    # batch read caches of other lengths, and must split their keys alike
+    b, kh, d, g = 1, 2, 32, 3
+    ks = jax.random.split(jax.random.PRNGKey(4), 3)
+    kc = jax.random.normal(ks[0], (1, b, kh, 3328, d), BF16)
+    vc = jax.random.normal(ks[1], (1, b, kh, 3328, d), BF16)
+    q = jax.random.normal(ks[2], (b, 1, kh, g, d), BF16)
+    run = lambda s, p: verify_attention(q, kc[:, :, :, :s], vc[:, :, :, :s], 0,  # noqa: E731
+                                        jnp.array([[p]]), interpret=True, blocks=INVARIANT)[0]
+    for p in (700, 1100):  # one split; two
+        outs = [run(s, p) for s in (1152, 1792, 3328)]
+        assert all(jnp.array_equal(outs[0], o) for o in outs[1:]), p
+
+
 @pytest.mark.parametrize("g", [1, 3, 4, 8])
 def test_invariant_plan_runs_decode_verify_and_prefill_in_one_program_shape(g):
     # on the GPU a 16-row program reduced a row's keys across warps in another order than
