@@ -291,21 +291,20 @@ def _verify_kernel(layer_ref, *refs, block_k, split_len, s_len, scale, rows, kh,
 
 
 def _verify_call(layer, qr, rowpos, k_cache, v_cache, *, rows, n_splits, split_len, blocks,
-                 interpret, out_dtype, cap=None, qc=None, rpc=None, window=None,
+                 interpret, out_dtype, normalize, cap=None, qc=None, rpc=None, window=None,
                  cap_into=None):
     """qr [b, kh, nqb*rows, d]; rowpos [b, nqb*rows]; with a "sum" cap (`_verify_kernel`)
     also qc [b, kh, crow, d] (the capture rows) and rpc [b, crow] (their positions, -1 =
     pad); window: an int32 scalar (0: none) or None (no window input). cap_into: a stacked
     capture buffer (`capture_buffer`) the logits go into at `layer`, returned updated.
-    blocks: resolved (block_k, num_warps, num_stages set). Returns o [b, kh, J, R, d],
+    blocks: resolved (block_k, num_warps, num_stages set); normalize: finish one split in
+    the kernel (m then holds the LSE). Returns o [b, kh, J, R, d],
     m, l [b, kh, J, R] (log2 units), cap buffer | None."""
     b, kh, rtot, d = qr.shape
     block_k = blocks.block_k
     s_len = k_cache.shape[3]
     s_pad = pl.cdiv(s_len, block_k) * block_k  # capture stores whole key blocks
     nqb = rtot // rows
-    # a row-invariant plan always combines its splits: one split or many, the same sums
-    normalize = n_splits == 1 and blocks.split_keys is None
     kernel = functools.partial(
         _verify_kernel, block_k=block_k, split_len=split_len, s_len=s_len,
         scale=d**-0.5 * _LOG2E, rows=rows, kh=kh, normalize=normalize, cap=cap,
@@ -610,12 +609,15 @@ def verify_attention(
                                   for r in range(crow)) for i in range(nu))
         cap = ("sum", n_cap, crow, weights)
 
+    # one split: the kernel normalises, m holds the LSE; a row-invariant plan always
+    # combines its splits (one split or many, the same sums)
+    normalize = n_splits == 1 and blocks.split_keys is None
     o, m, l, cbuf = _verify_call(
         layer, qr, rp, k_cache, v_cache, rows=rows, n_splits=n_splits, split_len=split_len,
-        blocks=resolved, interpret=interpret, out_dtype=q.dtype, cap=cap, qc=qc, rpc=rpc,
-        window=window, cap_into=capture_into)
+        blocks=resolved, interpret=interpret, out_dtype=q.dtype, normalize=normalize,
+        cap=cap, qc=qc, rpc=rpc, window=window, cap_into=capture_into)
 
-    if n_splits == 1 and blocks.split_keys is None:  # normalised in the kernel; m is the LSE
+    if normalize:
         out = o[:, :, 0]  # [b, k, R, d]
         lse = m[:, :, 0]  # [b, k, R], log2 units
     else:

@@ -493,10 +493,3 @@ def compile_only(run: Callable, spent) -> None:
     except RuntimeError as e:
         if "deleted" not in str(e):
             raise
-
-
-def warm_up(auto: AutoController, state, make: Callable[[int], Callable]):
-    """Make `auto`'s runners (`prepare`); their builds start with the first call. Returns
-    the state. `make(config)` -> run(state) -> (state, out)."""
-    auto.prepare(make)
-    return state

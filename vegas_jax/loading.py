@@ -177,8 +177,8 @@ def load_model(
       enough on its own. Neither: the embedded default smollm2-135m.
     random_init: full-size random weights (made on device) instead of the checkpoint's.
     dtype: bfloat16 or float32 (also "bf16", "fp32", ...).
-    exec_config: how the model runs (backend, layer loop, tensor parallel degree, exact
-      verify); "auto" fields are resolved here for this model and backend. With
+    exec_config: how the model runs (backend, layer loop, tensor parallel degree,
+      row-invariant `exact`); "auto" fields are resolved here for this model and backend. With
       tp > 1 the weights are split across the first tp devices (`vegas_jax.sharding`).
     """
     from vegas_jax.sharding import check_tp, place_params

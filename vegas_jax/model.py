@@ -46,6 +46,12 @@ def mm(spec, a, b):
                       else None)
 
 
+def row_invariant(xc: ExecConfig, plan: AttnPlan) -> bool:
+    """Whether this forward runs the row-invariant kernels: prefill, decode and verify
+    under `ExecConfig.exact` (drafts only propose, and keep the fast ones)."""
+    return xc.exact and plan.mode == "causal"
+
+
 def linear(x, w, inv: bool, xc: ExecConfig, transpose_w: bool = False):
     """x [..., h] @ w [h, n] (w [n, h] with transpose_w). inv: through the row-invariant
     kernel (`ExecConfig.exact`), whose rows never depend on the rows beside them."""
@@ -100,7 +106,7 @@ def _layer(cfg: ModelConfig, xc: ExecConfig, write: bool, plan: AttnPlan, cos, s
     # a fused draft with the norm's weight folded into w_qkv applies the norm's row scale in
     # its kernel (it commutes with the projection); the verify keeps the model's exact order
     scaled_in_kernel = fused and lp.attn_norm is None
-    inv = xc.exact and plan.mode == "causal"  # prefill, decode, verify: row-invariant
+    inv = row_invariant(xc, plan)
     h = x if scaled_in_kernel else rms_norm(x, lp.attn_norm, cfg.rms_norm_eps, inv, xc)
     qkv = linear(h, lp.w_qkv, inv, xc)  # [b, t, (n + 2k)*d]
     if lp.b_qkv is not None:
@@ -307,7 +313,7 @@ def forward(
     x = x[:b]
     if logits_at is not None:
         x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)  # [b, 1, h]
-    inv = xc.exact and plan.mode == "causal"
+    inv = row_invariant(xc, plan)
     x = rms_norm(x, params.final_norm, cfg.rms_norm_eps, inv, xc)
     if params.lm_head is None:
         logits = linear(x, params.embed, inv, xc, transpose_w=True)

@@ -16,7 +16,7 @@ from flax import struct
 from jax import lax
 
 from vegas_jax.attention import AttnPlan, Capture, raw_capture
-from vegas_jax.auto import AutoController, warm_up
+from vegas_jax.auto import AutoController
 from vegas_jax.cache import KVCache
 from vegas_jax.config import ModelConfig
 from vegas_jax.driver import DecodeClock, GenerationResult, Progress, Refill, drive, launch
@@ -299,7 +299,7 @@ def speculative_generate(
                 return _runner(model, xc, low, sampling, AutoController.VANILLA_STEPS)
             return _runner(model, xc, dataclasses.replace(auto.spec, gamma=config), sampling)
 
-        state = warm_up(auto, state, make)
+        auto.prepare(make)  # the configured gamma builds on its first call, the rest later
 
         def step(st):
             return auto.run(auto.choose(), st)
