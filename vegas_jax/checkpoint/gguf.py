@@ -26,6 +26,7 @@ import numpy as np
 from vegas_jax.checkpoint.common import (
     assemble, layer_shapes, np_dtype, registry_match, stack_layers,
 )
+from vegas_jax.checkpoint.gguf_tokenizer import field as _field
 from vegas_jax.config import ModelConfig, RopeScaling
 from vegas_jax.params import Params
 
@@ -130,13 +131,6 @@ class GGUFFile:
             raise ValueError(f"unknown GGUF metadata value type {kind}")
         dt = np.dtype(_NUMBERS[kind])
         return np.frombuffer(self._buf, dt, 1, off).tolist()[0], off + dt.itemsize
-
-
-def _field(reader, key: str, default: Any = None) -> Any:
-    f = reader.fields.get(key)
-    if f is None:
-        return default
-    return f.contents()
 
 
 def reverse_permute(w: np.ndarray, n_head: int) -> np.ndarray:
