@@ -20,18 +20,17 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
-from pallas_kernels.common import dot, sm_count, whole
+from pallas_kernels.common import dot, whole
 
 
 @dataclasses.dataclass(frozen=True)
 class MatmulBlocks:
-    """One tile for every call with a given weight (that is what makes rows invariant):
-    rows, k and columns of a program's block (block_n None: 64, or 32 where 64-column
-    blocks would leave the card's SMs idle at a few rows); Triton's warps and stages."""
+    """One tile for every call (that is what makes rows invariant): rows, k and columns of
+    a program's block; Triton's warps and pipeline stages."""
 
     block_m: int = 16
     block_k: int = 64
-    block_n: int | None = None
+    block_n: int = 64
     num_warps: int = 4
     num_stages: int = 3
 
@@ -81,9 +80,7 @@ def matmul(x, w, *, transpose_w: bool = False, out_dtype=None,
                          f", got {w.shape}")
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
-    # chosen from the weight's shape alone, never from m
-    bn = blocks.block_n or (64 if pl.cdiv(n, 64) >= 2 * sm_count() else 32)
-    b = dataclasses.replace(blocks, block_n=bn)
+    b = blocks
     out = pl.pallas_call(
         functools.partial(_kernel, m=m, k=k, n=n, block_m=b.block_m, block_k=b.block_k,
                           block_n=b.block_n, transpose_w=transpose_w),
