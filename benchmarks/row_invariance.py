@@ -96,13 +96,19 @@ def whole_forward(model, xc, batch, context, gamma):
     flat = lambda a: a.reshape(-1, a.shape[-1])  # noqa: E731
     out = {"verify_vs_steps": equal_rows(flat(verify), flat(steps)),
            "uncaptured_verify_vs_steps": equal_rows(flat(bare), flat(steps))}
-    alone = []
+    alone, short = [], []
     for i in sorted({0, batch // 2, batch - 1}):
         one = cache.replace(k=cache.k[:, i:i + 1], v=cache.v[:, i:i + 1],
                             lengths=cache.lengths[i:i + 1])
         logits, _ = fwd(model.params, xc, toks[i:i + 1, :1], pos[i:i + 1, :1], one, None)
         alone.append(equal_rows(logits[:, 0], steps[i:i + 1, 0]))
-    out["alone_vs_batch"] = (sum(a[0] for a in alone), len(alone), max(a[2] for a in alone))
+        # the cache a batch of one would have: as long as its own sequence needs
+        s = -(-(int(lengths[i]) + gamma + 1) // 128) * 128
+        one = one.replace(k=one.k[:, :, :, :s], v=one.v[:, :, :, :s])
+        logits, _ = fwd(model.params, xc, toks[i:i + 1, :1], pos[i:i + 1, :1], one, None)
+        short.append(equal_rows(logits[:, 0], steps[i:i + 1, 0]))
+    for name, got in (("alone_vs_batch", alone), ("alone_short_cache_vs_batch", short)):
+        out[name] = (sum(a[0] for a in got), len(got), max(a[2] for a in got))
     return out
 
 

@@ -196,3 +196,4 @@ def test_full_size_forward_verify_rows_equal_decode_steps():
     out = whole_forward(model, dataclasses.replace(model.exec_config, exact=True), 3, 256, 2)
     assert out["verify_vs_steps"][:2] == (9, 9)
     assert out["alone_vs_batch"][:2] == (3, 3)
+    assert out["alone_short_cache_vs_batch"][:2] == (3, 3)
