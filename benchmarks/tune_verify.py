@@ -10,13 +10,15 @@ K/V bytes read per second. SmolLM2 shapes by default (3 KV heads, group 3, head 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import time
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.verify_attention import VerifyBlocks, verify_attention
+from pallas_kernels.verify_attention import INVARIANT, VerifyBlocks, verify_attention
 
 CANDIDATES = [
     ("default", VerifyBlocks()),
@@ -26,6 +28,19 @@ CANDIDATES = [
     ("2 stages", VerifyBlocks(num_stages=2)),
     ("no waves", VerifyBlocks(waves=False)),
     ("default again", VerifyBlocks()),
+]
+_inv = functools.partial(dataclasses.replace, INVARIANT)
+# the row-invariant plan (`ExecConfig.exact`): one tile and one split length for every call
+INVARIANT_CANDIDATES = [
+    ("default", VerifyBlocks()),
+    ("invariant", INVARIANT),
+    ("inv block_k 128", _inv(block_k=128)),
+    ("inv block_k 128, 3 stages", _inv(block_k=128, num_stages=3)),
+    ("inv 3 stages", _inv(num_stages=3)),
+    ("inv split 2048", _inv(split_keys=2048)),
+    ("inv split 512", _inv(split_keys=512)),
+    ("inv 16 rows", _inv(max_rows=16, row_block=16)),
+    ("invariant again", INVARIANT),
 ]
 
 
@@ -38,6 +53,8 @@ def main():
     p.add_argument("--group", type=int, default=3)
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--layers", type=int, default=30)
+    p.add_argument("--invariant", action="store_true",
+                   help="the row-invariant plan's candidates (no capture)")
     a = p.parse_args()
     L, b, kh, g, d, t = a.layers, a.batch, a.kv_heads, a.group, a.head_dim, a.gamma + 1
     s = a.context + 128
@@ -62,8 +79,11 @@ def main():
 
     print(f"B {b}, context {a.context}, {t} rows x group {g}, {L} layers; "
           + (f"capture rows (0, {a.gamma}), weights" if a.gamma else "decode"))
-    rows = [("default, no capture", VerifyBlocks(), "none")] if a.gamma else []
-    rows += [(n, bl, "mean" if a.gamma else "none") for n, bl in CANDIDATES]
+    if a.invariant:
+        rows = [(n, bl, "none") for n, bl in INVARIANT_CANDIDATES]
+    else:
+        rows = [("default, no capture", VerifyBlocks(), "none")] if a.gamma else []
+        rows += [(n, bl, "mean" if a.gamma else "none") for n, bl in CANDIDATES]
     for name, bl, cap in rows:
         run = chain(bl, cap)
         jax.block_until_ready(run(q, kc, vc))
