@@ -1,4 +1,5 @@
-"""Check `vegas_jax/checkpoint/gguf_tokenizer.py` against reference token ids, in any
+"""Check `vegas_jax/checkpoint/gguf_tokenizer.py` against reference token ids, and its
+`GGUFTokenizer` against the `PreTrainedTokenizerFast` it stands for (`.hf`), in any
 environment with transformers, tokenizers, gguf, numpy and jinja2 (no jax, no torch).
 
     python tests/gguf_tokenizer_check.py PATH/TO/SmolLM2-135M-Instruct.Q4_1.gguf
@@ -128,14 +129,10 @@ def smollm2_problems(tok) -> list[str]:
     for text, want in zip(SMOLLM2_TEXTS, SMOLLM2_IDS, strict=True):
         got = list(tok.encode(text))
         if got != want:
-            bad.append(f"encode({text!r}):\n  got  {got}\n  want {want}\n"
-                       f"  got tokens {tok.convert_ids_to_tokens(got)}")
+            bad.append(f"encode({text!r}):\n  got  {got}\n  want {want}")
         back = tok.decode(want)
         if back != text:
             bad.append(f"decode(encode({text!r})) = {back!r}")
-    last = tok.convert_ids_to_tokens(SMOLLM2_IDS[-1])
-    if last != SMOLLM2_LAST_TOKENS:
-        bad.append(f"tokens of the last case: {last}")
     for special, idx in (("<|endoftext|>", 0), ("<|im_start|>", 1), ("<|im_end|>", 2)):
         if list(tok.encode(special)) != [idx]:
             bad.append(f"{special!r} encodes to {tok.encode(special)}, not [{idx}]")
@@ -153,22 +150,46 @@ def smollm2_problems(tok) -> list[str]:
     plain = tok.decode(SMOLLM2_CHAT_IDS, skip_special_tokens=True)
     if plain != "system\nBe brief.\nuser\nHi \U0001f44b\nassistant\nHello!\nuser\n2+2?\nassistant\n":
         bad.append(f"skip_special_tokens decode: {plain!r}")
+    # Last: a GGUFTokenizer answers convert_ids_to_tokens through its PreTrainedTokenizerFast.
+    last = tok.convert_ids_to_tokens(SMOLLM2_IDS[-1])
+    if last != SMOLLM2_LAST_TOKENS:
+        bad.append(f"tokens of the last case: {last}")
     return bad
 
 
-def synthetic_problems(gt) -> list[str]:
-    """The builders for vocabularies we have no GGUF of here, on tiny made-up metadata."""
-    bad = []
+def synthetic_metas() -> dict[str, dict]:
+    """Tiny made-up tokenizer metadata, for the builders we have no GGUF of here."""
     # SentencePiece BPE ("llama"): merges derived from scores, metaspace, byte fallback, BOS.
     pieces = ["<unk>", "<s>", "</s>", *[f"<0x{b:02X}>" for b in range(256)],
               "\u2581", "h", "e", "l", "o", "w", "r", "d", "he", "ll", "hell", "hello",
               "\u2581hello", "\u2581w", "or", "ld", "\u2581wor", "\u2581world", "<think>"]
     types = [2, 3, 3, *[6] * 256, *[1] * (len(pieces) - 260), 4]
-    meta = dict(model="llama", tokens=pieces, token_type=types,
-                scores=[0.0] * 259 + [-float(i) for i in range(len(pieces) - 259)],
-                add_bos=True, bos_id=1, bos_token="<s>", eos_id=2, eos_token="</s>",
-                unk_id=0, unk_token="<unk>")
-    tok = gt.build_tokenizer(meta)
+    out = {"spm": dict(model="llama", tokens=pieces, token_type=types,
+                       scores=[0.0] * 259 + [-float(i) for i in range(len(pieces) - 259)],
+                       add_bos=True, bos_id=1, bos_token="<s>", eos_id=2, eos_token="</s>",
+                       unk_id=0, unk_token="<unk>")}
+    # Byte-level split patterns: Llama-3 keeps up to 3 digits together, Qwen2 one; both split
+    # " ?\p{L}+" words the same way.
+    alphabet = [chr(c) for c in range(ord("!"), ord("~") + 1)] + ["\u0120"]
+    vocab = [*alphabet, "12", "123", "45", "<|eot|>"]
+    for pre in ("llama-bpe", "qwen2", "smollm"):
+        out[pre] = dict(model="gpt2", pre=pre, tokens=vocab,
+                        token_type=[1] * (len(vocab) - 1) + [3], merges=["1 2", "12 3", "4 5"],
+                        add_bos=False)
+    # An EOS that is a control token, added on encode, and a padding token that is an
+    # ordinary one (PreTrainedTokenizerFast makes it a special added token).
+    out["eos-and-plain-pad"] = dict(
+        out["smollm"], add_eos=True, eos_id=len(vocab) - 1, eos_token="<|eot|>",
+        pad_id=vocab.index("45"), pad_token="45")
+    return out
+
+
+def synthetic_problems(gt) -> list[str]:
+    """The builders for vocabularies we have no GGUF of here, on tiny made-up metadata."""
+    bad = []
+    metas = synthetic_metas()
+    pieces = metas["spm"]["tokens"]
+    tok = gt.build_tokenizer(metas["spm"])
     want = [1, pieces.index("\u2581hello"), pieces.index("\u2581world"),
             pieces.index("<think>"), 3 + 0x21, pieces.index("\u2581"), 3 + 0xC3, 3 + 0xA9]
     got = list(tok.encode("hello world<think>! \u00e9"))
@@ -176,18 +197,160 @@ def synthetic_problems(gt) -> list[str]:
         bad.append(f"spm encode: {got} != {want} ({tok.convert_ids_to_tokens(got)})")
     if tok.decode(got, skip_special_tokens=True) != "hello world<think>! \u00e9":
         bad.append(f"spm decode: {tok.decode(got, skip_special_tokens=True)!r}")
-    # Byte-level split patterns: Llama-3 keeps up to 3 digits together, Qwen2 one; both split
-    # " ?\p{L}+" words the same way.
-    alphabet = [chr(c) for c in range(ord("!"), ord("~") + 1)] + ["\u0120"]
     for pre, want_tokens in (("llama-bpe", ["123", "45"]), ("qwen2", ["1", "2", "3", "4", "5"]),
                              ("smollm", ["1", "2", "3", "4", "5"])):
-        vocab = [*alphabet, "12", "123", "45", "<|eot|>"]
-        meta = dict(model="gpt2", pre=pre, tokens=vocab, token_type=[1] * (len(vocab) - 1) + [3],
-                    merges=["1 2", "12 3", "4 5"], add_bos=False)
-        tok = gt.build_tokenizer(meta)
+        tok = gt.build_tokenizer(metas[pre])
         got = tok.convert_ids_to_tokens(tok.encode("12345<|eot|>"))
         if got != [*want_tokens, "<|eot|>"]:
             bad.append(f"{pre}: 12345<|eot|> -> {got}")
+    return bad
+
+
+# A template that uses what transformers gives chat templates beyond plain jinja:
+# raise_exception, loop controls, tojson with its options, namespace, dict, {% generation %},
+# strftime_now, the special tokens and extra variables.
+TEST_TEMPLATE = """\
+{%- set ns = namespace(n=0, seen=dict(a=1)) -%}
+{%- for m in messages -%}
+  {%- if m['role'] not in ['system', 'user', 'assistant'] -%}
+    {{ raise_exception('unexpected role ' + m['role']) }}
+  {%- endif -%}
+  {%- if loop.index > 6 %}{% break %}{% endif -%}
+  {%- if m['role'] == 'system' -%}
+    {{ 'SYS ' + m['content'] | tojson }}
+    {% continue %}
+  {%- endif -%}
+  {%- set ns.n = ns.n + 1 -%}
+  {{ bos_token }}{{ m['role'] }}: {% if m['role'] == 'assistant' %}{% generation %}\
+{{ m['content'] }}{% endgeneration %}{% else %}{{ m['content'] }}{% endif %}{{ eos_token }}
+{% endfor -%}
+{{ messages | tojson(indent=2, sort_keys=True) }}
+{{ ns.seen | tojson }} {{ ns.n }} {{ strftime_now('%Y') | length }}
+{%- if tools %} tools={{ tools | tojson(separators=(',', ':')) }}{% endif %}
+{%- if documents %} docs={{ documents | tojson(ensure_ascii=True) }}{% endif %}
+ think={{ enable_thinking }} pad={{ pad_token }} unk={{ unk_token }}
+{%- if add_generation_prompt %}{{ bos_token }}assistant:{% endif %}"""
+
+TEST_CHATS = [
+    SMOLLM2_CHAT,
+    [{"role": "system", "content": "Tu es bref. \u00e9\u00e8"},
+     {"role": "user", "content": "hello world 12345 <think>"},
+     {"role": "assistant", "content": "<|eot|> 45 \U0001f44b"}],
+    [{"role": "user", "content": "one"}],
+]
+
+
+def _outcome(f):
+    """f()'s result, or the type and message of what it raised."""
+    try:
+        return f()
+    except Exception as e:  # noqa: BLE001 -- compared, not handled
+        return ("raised", type(e).__name__, str(e))
+
+
+def same_as_hf_problems(make, texts, chats=TEST_CHATS) -> list[str]:
+    """Where a `GGUFTokenizer` (`make()`, a fresh one) and its PreTrainedTokenizerFast (`.hf`
+    of another fresh one) differ: encode, decode, batch_decode, apply_chat_template (the
+    file's template and `TEST_TEMPLATE`), the special tokens, sizes; and whether any of that
+    built the fast one's PreTrainedTokenizerFast (it must not)."""
+    import numpy as np
+
+    ours, theirs = make(), make().hf
+    bad = []
+
+    def same(what, f):
+        a, b = _outcome(lambda: f(ours)), _outcome(lambda: f(theirs))
+        if a != b or type(a) is not type(b):
+            bad.append(f"{what}:\n  GGUFTokenizer           {a!r}\n  PreTrainedTokenizerFast {b!r}")
+
+    for name in ("bos", "eos", "unk", "pad", "sep", "cls", "mask"):
+        same(f"{name}_token", lambda t, n=name: getattr(t, f"{n}_token"))
+        same(f"{name}_token_id", lambda t, n=name: getattr(t, f"{n}_token_id"))
+    same("vocab_size", lambda t: t.vocab_size)
+    same("len", len)
+    same("chat_template", lambda t: t.chat_template)
+    same("special_tokens_map", lambda t: t.special_tokens_map)
+    all_ids = []
+    for text in texts:
+        for add in (True, False):
+            same(f"encode({text!r}, add_special_tokens={add})",
+                 lambda t, x=text, a=add: t.encode(x, add_special_tokens=a))
+        same(f"encode({text!r})", lambda t, x=text: t.encode(x))
+        all_ids.append(theirs.encode(text))
+    all_ids.append(list(range(len(theirs))))  # every id once
+    for ids in all_ids:
+        for skip in (False, True):
+            for form, arg in (("list", ids), ("tuple", tuple(ids)),
+                              ("np.int64", np.array(ids, np.int64)),
+                              ("np.int32", np.array(ids, np.int32)),
+                              ("list of np ints", [np.int64(i) for i in ids])):
+                same(f"decode({form} {ids[:12]}..., skip_special_tokens={skip})",
+                     lambda t, a=arg, s=skip: t.decode(a, skip_special_tokens=s))
+            if ids:
+                same(f"decode({ids[0]}, skip_special_tokens={skip})",
+                     lambda t, i=ids[0], s=skip: t.decode(i, skip_special_tokens=s))
+                same(f"decode(np.int64({ids[0]}), skip_special_tokens={skip})",
+                     lambda t, i=ids[0], s=skip: t.decode(np.int64(i), skip_special_tokens=s))
+    nonempty = [ids for ids in all_ids if ids]
+    for skip in (False, True):
+        same(f"batch_decode(skip_special_tokens={skip})",
+             lambda t, s=skip: t.batch_decode(nonempty, skip_special_tokens=s))
+        same(f"batch_decode(np 2-D, skip_special_tokens={skip})",
+             lambda t, s=skip: t.batch_decode(np.array([nonempty[0]] * 2), skip_special_tokens=s))
+    extra = [{}, {"enable_thinking": False}, {"enable_thinking": True, "tools": None,
+                                               "documents": None}]
+    tools = [{"type": "function", "function": {"name": "add", "description": "a + b \u00e9",
+                                               "parameters": {"type": "object"}}}]
+    docs = [{"title": "T", "text": "caf\u00e9"}]
+    for template in (None, TEST_TEMPLATE) if theirs.chat_template else (TEST_TEMPLATE,):
+        label = "file's template" if template is None else "TEST_TEMPLATE"
+        for chat in chats:
+            for gen in (False, True):
+                for kw in extra:
+                    same(f"{label}, {chat[:1]}..., add_generation_prompt={gen}, {kw}, text",
+                         lambda t, c=chat, g=gen, k=kw: t.apply_chat_template(
+                             c, chat_template=template, add_generation_prompt=g,
+                             tokenize=False, **k))
+                    same(f"{label}, {chat[:1]}..., add_generation_prompt={gen}, {kw}, ids",
+                         lambda t, c=chat, g=gen, k=kw: t.apply_chat_template(
+                             c, chat_template=template, add_generation_prompt=g,
+                             tokenize=True, return_dict=False, **k))
+        same(f"{label}, tools and documents",
+             lambda t: t.apply_chat_template(chats[-1], tools=tools, documents=docs,
+                                             chat_template=template, tokenize=False))
+        same(f"{label}, a tool message (raise_exception)",
+             lambda t: t.apply_chat_template([*chats[-1], {"role": "tool", "content": "4"}],
+                                             chat_template=template, tokenize=False))
+    if ours._hf is not None:
+        bad.append("the comparisons built the GGUFTokenizer's PreTrainedTokenizerFast")
+    # What it hands to the PreTrainedTokenizerFast, from a fresh one each time.
+    same("__call__ (delegated)",
+         lambda t: dict(t(["hello world", "12345"], padding=True)) if t is theirs
+         else dict(make()(["hello world", "12345"], padding=True)))
+    same("convert_ids_to_tokens (delegated)",
+         lambda t: (t if t is theirs else make()).convert_ids_to_tokens(all_ids[0]))
+    same("apply_chat_template, default return (delegated)",
+         lambda t: _plain((t if t is theirs else make()).apply_chat_template(
+             chats[-1], chat_template=None if theirs.chat_template else TEST_TEMPLATE)))
+    if not theirs.chat_template:
+        same("apply_chat_template without a template (delegated, raises)",
+             lambda t: type((t if t is theirs else make()).apply_chat_template(
+                 chats[-1], tokenize=False)))
+    return bad
+
+
+def _plain(x):
+    """A BatchEncoding (transformers 5's apply_chat_template default) as a dict."""
+    return dict(x) if hasattr(x, "keys") else x
+
+
+def synthetic_same_as_hf_problems(gt) -> list[str]:
+    texts = ["hello world<think>! \u00e9", "12345<|eot|>", "", "  a b\tc  ", "<s>hello</s>",
+             "<unk> 45 12 3<|eot|>45", "\u4f60\u597d \U0001f44b"]
+    bad = []
+    for name, meta in synthetic_metas().items():
+        bad += [f"{name}: {b}" for b in same_as_hf_problems(lambda m=meta: gt.build_tokenizer(m),
+                                                             texts)]
     return bad
 
 
@@ -197,17 +360,32 @@ def main(argv=None) -> int:
         print(__doc__.split("\n\n")[1], file=sys.stderr)
         return 2
     import gguf
-    import tokenizers
-    import transformers
 
     gt = load_module()
-    tok = gt.tokenizer_from_gguf(gguf.GGUFReader(argv[0]))
-    bad = ["no tokenizer built"] if tok is None else smollm2_problems(tok)
+    reader = gguf.GGUFReader(argv[0])
+    tok = gt.tokenizer_from_gguf(reader)
+    bad = []
+    if tok is None:
+        bad.append("no tokenizer built")
+    else:  # what the engine uses, without transformers
+        tok.encode(SMOLLM2_TEXTS[1])
+        tok.decode(SMOLLM2_CHAT_IDS, skip_special_tokens=True)
+        tok.apply_chat_template(SMOLLM2_CHAT, tokenize=False, add_generation_prompt=True)
+        if "transformers" in sys.modules:
+            bad.append("building the tokenizer, encode, decode or apply_chat_template "
+                       "imported transformers")
+        bad += smollm2_problems(tok)
     bad += synthetic_problems(gt)
     if "jax" in sys.modules:
         bad.append("building the tokenizer imported jax")
-    where = (f"transformers {transformers.__version__}, tokenizers {tokenizers.__version__}, "
-             f"gguf {importlib.metadata.version('gguf')}")
+    # transformers may import torch from here on (its decode of numpy ints does), and torch
+    # may import `cuda`, which, with this directory first on sys.path, is tests/cuda.py (jax).
+    if tok is not None:
+        bad += same_as_hf_problems(lambda: gt.tokenizer_from_gguf(reader),
+                                   [*SMOLLM2_TEXTS, SMOLLM2_CHAT_TEXT])
+    bad += synthetic_same_as_hf_problems(gt)
+    where = ", ".join(f"{p} {importlib.metadata.version(p)}"
+                      for p in ("transformers", "tokenizers", "gguf", "jinja2"))
     for b in bad:
         print(b)
     print(f"gguf tokenizer check, {where}: "

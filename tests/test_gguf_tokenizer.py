@@ -1,11 +1,16 @@
 """The GGUF tokenizer (`vegas_jax.checkpoint.gguf_tokenizer`): SmolLM2's, id for id against a
 reference (cases and ids in `tests/gguf_tokenizer_check.py`, which CI also runs with the
-oldest transformers the project allows), plus the builders on tiny made-up vocabularies."""
+oldest transformers the project allows), plus the builders on tiny made-up vocabularies; and
+`GGUFTokenizer` against the `PreTrainedTokenizerFast` it stands for, without importing
+transformers for what the engine uses."""
 
 from __future__ import annotations
 
+import copy
+import pickle
 import subprocess
 import sys
+import textwrap
 import types
 import warnings
 from pathlib import Path
@@ -120,3 +125,88 @@ def test_check_script_runs_without_jax(smollm2_gguf):
                        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "all cases match" in r.stdout
+
+
+def test_same_as_pretrained_tokenizer_fast_smollm2(reader):
+    """encode / decode / batch_decode / apply_chat_template / special tokens of the
+    GGUFTokenizer are the PreTrainedTokenizerFast's, without building it."""
+    texts = [*ref.SMOLLM2_TEXTS, ref.SMOLLM2_CHAT_TEXT]
+    assert ref.same_as_hf_problems(lambda: gt.tokenizer_from_gguf(reader), texts) == []
+
+
+def test_same_as_pretrained_tokenizer_fast_made_up_vocabularies():
+    assert ref.synthetic_same_as_hf_problems(gt) == []
+
+
+def test_delegates_the_rest_to_pretrained_tokenizer_fast(reader):
+    from transformers import PreTrainedTokenizerFast
+
+    tok = gt.tokenizer_from_gguf(reader)
+    assert isinstance(tok, gt.GGUFTokenizer) and tok._hf is None
+    ids = tok(["a", "b"])["input_ids"]
+    assert isinstance(tok.hf, PreTrainedTokenizerFast)
+    assert ids == tok.hf(["a", "b"])["input_ids"] == [tok.encode("a"), tok.encode("b")]
+    assert tok.convert_ids_to_tokens(tok.encode("Hello world")) == ["Hello", "\u0120world"]
+    assert tok.backend_tokenizer is tok.hf.backend_tokenizer
+    # From now on everything goes to it, so that what is set there holds everywhere.
+    tok.pad_token = "<|endoftext|>"
+    assert tok.hf.pad_token == tok.pad_token == "<|endoftext|>" and tok.pad_token_id == 0
+    assert tok(["a", "b c"], padding=True)["input_ids"][0] == [*tok.encode("a"), 0]
+    tok.chat_template = "{{ messages[0]['content'] }}!"
+    assert tok.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False) == "x!"
+    with pytest.raises(AttributeError):
+        tok._no_such_private_name  # noqa: B018
+
+
+def test_pickles_and_copies_without_building_transformers(reader):
+    tok = gt.tokenizer_from_gguf(reader)
+    for other in (pickle.loads(pickle.dumps(tok)), copy.copy(tok), copy.deepcopy(tok)):
+        assert other._hf is None
+        assert other.encode("Hello world") == [19556, 905]
+        assert other.apply_chat_template(ref.SMOLLM2_CHAT, tokenize=False,
+                                         add_generation_prompt=True) == ref.SMOLLM2_CHAT_TEXT
+    assert tok._hf is None
+
+
+def test_numpy_ids_decode():
+    np = pytest.importorskip("numpy")
+    tok = gt.build_tokenizer(ref.synthetic_metas()["spm"])
+    ids = tok.encode("hello world")
+    assert tok.decode(np.array(ids)) == tok.decode([np.int32(i) for i in ids]) == tok.decode(ids)
+    assert tok.batch_decode(np.array([ids, ids])) == [tok.decode(ids)] * 2
+    assert tok._hf is None
+
+
+def test_engine_path_imports_no_transformers():
+    """load_model() on the default GGUF, then what the engine asks of its tokenizer, in a fresh
+    interpreter: transformers (and torch) stay unimported."""
+    code = textwrap.dedent("""
+        import sys
+        import numpy as np
+        from tests import gguf_tokenizer_check as ref
+        from vegas_jax import load_model
+        from vegas_jax.checkpoint import gguf_tokenizer as gt
+
+        tok = load_model().tokenizer
+        assert isinstance(tok, gt.GGUFTokenizer), type(tok)
+        assert tok.encode(ref.SMOLLM2_TEXTS[1]) == ref.SMOLLM2_IDS[1]
+        assert tok.decode(np.array(ref.SMOLLM2_IDS[1])) == ref.SMOLLM2_TEXTS[1]
+        assert tok.batch_decode([ref.SMOLLM2_IDS[0]], skip_special_tokens=True) == ["Hello world"]
+        assert tok.apply_chat_template(ref.SMOLLM2_CHAT, tokenize=False,
+                                       add_generation_prompt=True) == ref.SMOLLM2_CHAT_TEXT
+        assert tok.apply_chat_template(ref.SMOLLM2_CHAT, add_generation_prompt=True,
+                                       return_dict=False) == ref.SMOLLM2_CHAT_IDS
+        assert tok.apply_chat_template(ref.SMOLLM2_CHAT, chat_template=ref.TEST_TEMPLATE,
+                                       tokenize=False, enable_thinking=True)
+        assert (tok.eos_token_id, tok.bos_token, tok.chat_template is not None) == (
+            2, "<|im_start|>", True)
+        spm = gt.build_tokenizer(ref.synthetic_metas()["spm"])
+        assert spm.decode(spm.encode("hello world"), skip_special_tokens=True) == "hello world"
+        assert len(spm) == spm.vocab_size
+        leaked = sorted(m for m in ("transformers", "torch") if m in sys.modules)
+        assert not leaked, leaked
+        print("ok")
+    """)
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr

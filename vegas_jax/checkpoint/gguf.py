@@ -202,9 +202,11 @@ def read_config(reader, path: Path | None = None) -> ModelConfig:
 
 
 def read_tokenizer(reader):
-    """`PreTrainedTokenizerFast` built from the file's tokenizer metadata (no torch), through
-    public `tokenizers` / `transformers` APIs (`vegas_jax.checkpoint.gguf_tokenizer`). None
-    when the file has no vocabulary, or (with a warning saying why) one we cannot build."""
+    """`GGUFTokenizer` built from the file's tokenizer metadata through public `tokenizers` APIs
+    (`vegas_jax.checkpoint.gguf_tokenizer`): encode / decode / chat template without importing
+    transformers (seconds where it imports torch), the rest through the
+    `PreTrainedTokenizerFast` it builds on demand (`.hf`). None when the file has no
+    vocabulary, or (with a warning saying why) one we cannot build."""
     from vegas_jax.checkpoint.gguf_tokenizer import tokenizer_from_gguf
 
     return tokenizer_from_gguf(reader)

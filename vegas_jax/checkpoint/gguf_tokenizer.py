@@ -2,11 +2,16 @@
 
 A GGUF carries no `tokenizer.json`: llama.cpp's converter stores the vocabulary, merges,
 token types, special ids and flags as metadata (`tokenizer.ggml.*`). We read those with the
-`gguf` package's `GGUFReader`, assemble a `tokenizers.Tokenizer` from that library's public
-models, normalizers, pre-tokenizers and decoders, and wrap it in
-`transformers.PreTrainedTokenizerFast(tokenizer_object=...)`, so callers keep `encode`,
-`decode` and `apply_chat_template`. transformers' own GGUF integration is private, and its
-location and contents change between releases; nothing here uses it.
+`gguf` package's `GGUFReader` and assemble a `tokenizers.Tokenizer` from that library's public
+models, normalizers, pre-tokenizers and decoders. `build_tokenizer` returns a `GGUFTokenizer`
+around it: `encode`, `decode`, `batch_decode`, `apply_chat_template` (jinja2, rendered as
+transformers renders it), the special tokens, `chat_template`, `vocab_size` and `len()` are its
+own; anything else (`tok(texts, padding=True)`, `convert_ids_to_tokens`, `save_pretrained`,
+...) goes to the `transformers.PreTrainedTokenizerFast(tokenizer_object=...)` it builds on
+first use (`.hf`), and from then on everything does. Why: importing transformers takes seconds
+where it imports torch, and loading a GGUF model should not pay that. transformers' own GGUF
+integration is private, and its location and contents change between releases; nothing here
+uses it.
 
 `tokenizer.ggml.model`:
   "gpt2"  byte-level BPE (SmolLM2, Qwen3, Llama-3, gpt-oss). The split before BPE depends on
@@ -18,15 +23,20 @@ location and contents change between releases; nothing here uses it.
 Anything else ("bert", "t5", "rwkv", ...) raises `UnsupportedTokenizer`; `tokenizer_from_gguf`
 turns that into a warning and `None`: the model still loads, and prompts are token ids.
 
-Import-light on purpose: numpy and `tokenizers`, plus `transformers` and `gguf` inside the
-functions; nothing from jax or the rest of vegas_jax, so the file can be loaded by path in a
-small environment (`tests/gguf_tokenizer_check.py` does, for CI's oldest transformers).
+Import-light on purpose: numpy and `tokenizers`, plus `gguf`, `jinja2` and (for `.hf` only)
+`transformers` inside the functions; nothing from jax or the rest of vegas_jax, so the file can
+be loaded by path in a small environment (`tests/gguf_tokenizer_check.py` does, for CI's oldest
+transformers).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
+import numbers
 import warnings
+from datetime import datetime
 from typing import Any
 
 # llama.cpp token types (gguf.TokenType)
@@ -260,8 +270,14 @@ def build_backend(meta: dict):
     return BUILDERS[kind](meta)
 
 
-def build_tokenizer(meta: dict):
-    """`transformers.PreTrainedTokenizerFast` around `build_backend(meta)`."""
+def build_tokenizer(meta: dict) -> GGUFTokenizer:
+    """`GGUFTokenizer` around `build_backend(meta)` (imports no transformers)."""
+    return GGUFTokenizer(build_backend(meta), meta)
+
+
+def build_hf_tokenizer(meta: dict, backend=None):
+    """`transformers.PreTrainedTokenizerFast` around `backend` (default `build_backend(meta)`),
+    the tokenizer `GGUFTokenizer` stands for (its `.hf`)."""
     from transformers import PreTrainedTokenizerFast
 
     kw = {f"{s}_token": meta[f"{s}_token"] for s in ("bos", "eos", "unk", "pad")
@@ -269,8 +285,298 @@ def build_tokenizer(meta: dict):
     if meta.get("chat_template"):
         kw["chat_template"] = meta["chat_template"]
     return PreTrainedTokenizerFast(
-        tokenizer_object=build_backend(meta), clean_up_tokenization_spaces=False,
+        tokenizer_object=build_backend(meta) if backend is None else backend,
+        clean_up_tokenization_spaces=False,
         add_bos_token=bool(meta.get("add_bos")), add_eos_token=bool(meta.get("add_eos")), **kw)
+
+
+# apply_chat_template's options that only transformers handles (anything else it is passed is
+# a template variable).
+_HF_CHAT_OPTIONS = frozenset({
+    "continue_final_message", "return_assistant_tokens_mask", "sanitize_control_tokens",
+    "padding", "truncation", "max_length", "return_tensors", "tokenizer_kwargs"})
+# Message keys that transformers releases rewrite before rendering (5.x copies a message's
+# reasoning between these names) or drop (5.x: keys whose value is None).
+_REASONING_KEYS = frozenset({"reasoning_content", "thinking", "reasoning"})
+_SPECIAL_NAMES = ("bos", "eos", "unk", "sep", "pad", "cls", "mask")
+
+
+def _plain(v) -> bool:
+    """JSON-like data, which every transformers release hands a chat template unchanged."""
+    if v is None or type(v) in (str, int, float, bool):
+        return True
+    if type(v) in (list, tuple):
+        return all(map(_plain, v))
+    if type(v) is dict:
+        return all(type(k) is str and _plain(x) for k, x in v.items())
+    return False
+
+
+def _plain_chat(messages) -> bool:
+    return (type(messages) in (list, tuple) and len(messages) > 0 and all(
+        type(m) is dict and _plain(m)
+        and all(v is not None and k not in _REASONING_KEYS for k, v in m.items())
+        for m in messages))
+
+
+def _id_list(ids) -> list[int] | None:
+    """One sequence of token ids (an int, a list / tuple of ints or numpy ints, a 0- or 1-D
+    array) as a list of ints; None for anything else (a batch, a dict, ...)."""
+    if hasattr(ids, "tolist") and not isinstance(ids, (list, tuple)):
+        ids = ids.tolist()
+    if isinstance(ids, numbers.Integral) and not isinstance(ids, bool):
+        return [int(ids)]
+    if isinstance(ids, (list, tuple)) and all(
+            isinstance(i, numbers.Integral) and not isinstance(i, bool) for i in ids):
+        return [int(i) for i in ids]
+    return None
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    # transformers' filter: no HTML escaping (jinja's own tojson escapes), json.dumps' options
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+def _strftime_now(fmt):
+    return datetime.now().strftime(fmt)
+
+
+@functools.lru_cache(maxsize=16)
+def _compiled_chat_template(template: str):
+    """`template` compiled the way transformers compiles chat templates: an immutable sandbox,
+    trim_blocks / lstrip_blocks, loop controls, `{% generation %}` blocks (rendered as their
+    body), the `tojson` filter, `raise_exception`, `strftime_now`, and `dict` / `namespace`
+    globals that refuse what transformers' refuse (no underscore names on a namespace)."""
+    import jinja2
+    import jinja2.exceptions
+    import jinja2.ext
+    import jinja2.nodes
+    import jinja2.sandbox
+    import jinja2.utils
+
+    class Generation(jinja2.ext.Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(
+                lineno)
+
+        def _body(self, caller):
+            return caller()
+
+    def check(name):
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(
+                f"chat templates cannot store underscore-prefixed attributes on a namespace: "
+                f"{name!r}")
+
+    class Namespace(jinja2.utils.Namespace):
+        def __init__(*args, **kwargs):  # jinja's signature trick: namespace(self=...) works
+            self, args = args[0], args[1:]
+            attrs = dict(*args, **kwargs)
+            for name in attrs:
+                check(name)
+            jinja2.utils.Namespace.__init__(self, attrs)
+
+        def __setitem__(self, name, value):
+            check(name)
+            jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    class Dict:
+        def __call__(self, *args, **kwargs):
+            return dict(*args, **kwargs)
+
+        def fromkeys(self, *args, **kwargs):
+            return dict.fromkeys(*args, **kwargs)
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals.update(raise_exception=raise_exception, strftime_now=_strftime_now,
+                       dict=Dict(), namespace=Namespace)
+    return env.from_string(template)
+
+
+def _special_property(name: str, as_id: bool):
+    def get(self):
+        hf = self.__dict__.get("_hf")
+        if hf is not None:
+            return getattr(hf, name)
+        token = self._special[name.removesuffix("_id").removesuffix("_token")]
+        if not as_id or token is None:
+            return token
+        return self._token_id(token)
+
+    get.__name__ = name
+    return property(get, doc=f"As `PreTrainedTokenizerFast.{name}`.")
+
+
+class GGUFTokenizer:
+    """A GGUF's tokenizer that stands for `build_hf_tokenizer(meta)` (a
+    `transformers.PreTrainedTokenizerFast`) without importing transformers for what the engine
+    uses: `encode`, `decode`, `batch_decode`, `apply_chat_template`, `bos_token` / `eos_token` /
+    `unk_token` / `pad_token` (and `sep_`, `cls_`, `mask_`) with their `_id`s, `chat_template`,
+    `vocab_size`, `len()`. Each gives what the PreTrainedTokenizerFast gives, for the inputs it
+    handles itself (plain strings, id lists / arrays, JSON-like chat messages); other inputs or
+    options, and any other attribute, go to that PreTrainedTokenizerFast (`.hf`), built on first
+    use, after which every call goes to it (so that a change made to it, like
+    `tok.pad_token = ...`, which is forwarded there, holds everywhere).
+
+    `apply_chat_template(tokenize=True)` returns ids (`encode(text, add_special_tokens=False)`)
+    when `return_dict=False` is passed; without it, the call goes to transformers, whose
+    default differs between releases (4.x: ids, 5.x: a `BatchEncoding`)."""
+
+    def __init__(self, backend, meta: dict):
+        from tokenizers import AddedToken
+
+        d = self.__dict__
+        d["_backend"], d["_meta"], d["_hf"] = backend, meta, None
+        d["_special"] = {s: meta.get(f"{s}_token") for s in _SPECIAL_NAMES}
+        d["_chat_template"] = meta.get("chat_template") or None
+        # What PreTrainedTokenizerFast's __init__ does to its backend that changes ids: a
+        # special token the backend does not yet treat as an added token becomes a special one.
+        added = {t.content for t in backend.get_added_tokens_decoder().values()}
+        missing = [t for t in dict.fromkeys(d["_special"].values()) if t and t not in added]
+        if missing:
+            backend.add_tokens([AddedToken(t, special=True) for t in missing])
+
+    # -- the PreTrainedTokenizerFast, on demand -----------------------------------------------
+    @property
+    def hf(self):
+        """The `transformers.PreTrainedTokenizerFast` this stands for (built on first use,
+        importing transformers; every call goes to it from then on)."""
+        if self._hf is None:
+            self.__dict__["_hf"] = build_hf_tokenizer(self._meta, self._backend)  # copies it
+        return self._hf
+
+    @property
+    def backend_tokenizer(self):
+        """The `tokenizers.Tokenizer` (the PreTrainedTokenizerFast's own, once built)."""
+        return self._backend if self._hf is None else self._hf.backend_tokenizer
+
+    def __getattr__(self, name):
+        # Only names not found the normal way come here; private and dunder ones (pickle and
+        # copy probe __setstate__, __deepcopy__, ... before __dict__ is filled) are not ours.
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self.hf, name)
+
+    def __setattr__(self, name, value):
+        if name.startswith("_"):
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.hf, name, value)
+
+    def __call__(self, *args, **kwargs):
+        return self.hf(*args, **kwargs)
+
+    def __len__(self) -> int:
+        if self._hf is not None:
+            return len(self._hf)
+        return self._backend.get_vocab_size(with_added_tokens=True)
+
+    def __bool__(self) -> bool:
+        return True
+
+    def __repr__(self) -> str:
+        return (f"GGUFTokenizer(model={self._meta.get('model')!r}, "
+                f"pre={self._meta.get('pre')!r}, vocab_size={self.vocab_size}, "
+                f"hf={'built' if self._hf is not None else 'not built'})")
+
+    @property
+    def vocab_size(self) -> int:
+        if self._hf is not None:
+            return self._hf.vocab_size
+        return self._backend.get_vocab_size(with_added_tokens=False)
+
+    @property
+    def chat_template(self):
+        return self._chat_template if self._hf is None else self._hf.chat_template
+
+    @property
+    def special_tokens_map(self) -> dict[str, str]:
+        """The special tokens that are set, by name (what a chat template sees)."""
+        if self._hf is not None:
+            return self._hf.special_tokens_map
+        return {f"{s}_token": t for s, t in self._special.items() if t is not None}
+
+    def _token_id(self, token: str):
+        idx = self._backend.token_to_id(token)
+        if idx is None and token != self._special["unk"] and self._special["unk"] is not None:
+            return self._token_id(self._special["unk"])
+        return idx
+
+    # -- encode / decode ----------------------------------------------------------------------
+    def encode(self, text, text_pair=None, add_special_tokens: bool = True, **kwargs):
+        """Token ids of `text`, BOS / EOS added as the file says (`add_special_tokens`)."""
+        if self._hf is not None or text_pair is not None or kwargs or type(text) is not str:
+            return self.hf.encode(text, text_pair=text_pair,
+                                  add_special_tokens=add_special_tokens, **kwargs)
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids, skip_special_tokens: bool = False, **kwargs):
+        """The text of one sequence of ids (a list, a numpy array, numpy ints, an int)."""
+        ids = None if self._hf is not None or kwargs else _id_list(token_ids)
+        if ids is None:
+            return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens, **kwargs)
+        return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def batch_decode(self, sequences, skip_special_tokens: bool = False, **kwargs):
+        """`decode` of each sequence."""
+        if hasattr(sequences, "tolist") and not isinstance(sequences, (list, tuple)):
+            sequences = sequences.tolist()
+        batch = None  # a non-empty list of sequences (releases differ on anything else)
+        if self._hf is None and not kwargs and isinstance(sequences, (list, tuple)) and sequences:
+            batch = [None if isinstance(s, numbers.Integral) else _id_list(s) for s in sequences]
+        if batch is None or any(s is None for s in batch):
+            return self.hf.batch_decode(sequences, skip_special_tokens=skip_special_tokens,
+                                        **kwargs)
+        return self._backend.decode_batch(batch, skip_special_tokens=skip_special_tokens)
+
+    # -- chat ---------------------------------------------------------------------------------
+    def apply_chat_template(self, conversation, tools=None, documents=None, chat_template=None,
+                            add_generation_prompt: bool = False, *, tokenize: bool = True,
+                            return_dict=None, **kwargs):
+        """The conversation rendered with the chat template (`tokenize=False`), or its ids
+        (`tokenize=True, return_dict=False`), as `PreTrainedTokenizerFast.apply_chat_template`
+        gives them; extra keyword arguments are template variables (`enable_thinking=...`).
+        Batches, message objects, callable tools, non-JSON values, messages with None values
+        or reasoning fields, transformers-only options (`continue_final_message`, `padding`,
+        `return_tensors`, ...) and `tokenize=True` without `return_dict=False` go to `.hf`."""
+        template = self.chat_template if chat_template is None else chat_template
+        fast = (self._hf is None and isinstance(template, str)
+                and (return_dict is False or (not tokenize and return_dict is None))
+                and not _HF_CHAT_OPTIONS.intersection(kwargs) and _plain(kwargs)
+                and _plain_chat(conversation)
+                and (tools is None or (type(tools) in (list, tuple)
+                                       and all(type(t) is dict for t in tools) and _plain(tools)))
+                and (documents is None or (type(documents) in (list, tuple)
+                                           and all(type(d) is dict for d in documents)
+                                           and _plain(documents))))
+        if not fast:
+            if return_dict is not None:
+                kwargs["return_dict"] = return_dict
+            return self.hf.apply_chat_template(
+                conversation, tools=tools, documents=documents, chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt, tokenize=tokenize, **kwargs)
+        text = _compiled_chat_template(template).render(
+            messages=conversation, tools=tools, documents=documents,
+            add_generation_prompt=add_generation_prompt, **{**self.special_tokens_map, **kwargs})
+        if not tokenize:
+            return text
+        return self._backend.encode(text, add_special_tokens=False).ids
+
+
+for _s in _SPECIAL_NAMES:
+    setattr(GGUFTokenizer, f"{_s}_token", _special_property(f"{_s}_token", False))
+    setattr(GGUFTokenizer, f"{_s}_token_id", _special_property(f"{_s}_token_id", True))
+del _s
 
 
 def tokenizer_from_gguf(reader):
