@@ -166,7 +166,7 @@ INVARIANT = VerifyBlocks(block_k=64, num_warps=4, num_stages=2, max_rows=32, row
 
 
 def _verify_kernel(layer_ref, *refs, block_k, split_len, s_len, scale, rows, kh, normalize,
-                   cap, windowed=False, stacked=False):
+                   cap, real_rows, windowed=False, stacked=False):
     """Flash-decoding over one key split.
 
     windowed (static): a [1] window input follows layer_ref; each row then sees keys
@@ -175,8 +175,9 @@ def _verify_kernel(layer_ref, *refs, block_k, split_len, s_len, scale, rows, kh,
 
     cap (static) describes the score capture or is None:
       ("main", n_cap, rows): store the main product's [rows, block_k] tile of raw scaled
-        logits (rows >= n_cap masked) into a [b * kh * n_cap + rows, s_pad] buffer at rows
-        (b * kh + h) * n_cap + r (`rows` spare rows keep the last window inside);
+        logits into a [b * kh * n_cap + rows, s_pad] buffer at rows (b * kh + h) * n_cap +
+        r for the capture rows r < n_cap, which may span query blocks of `real_rows` rows
+        (`rows` spare rows keep the last window inside);
       ("sum", n_cap, crow, weights): a small [crow, d] x [d, block_k] dot of the capture
         rows alone, their raw logits masked to each row's causal range and reduced into
         len(weights) vectors a program, vector i weighting capture row r by weights[i][r];
@@ -227,10 +228,12 @@ def _verify_kernel(layer_ref, *refs, block_k, split_len, s_len, scale, rows, kh,
         n_cap = cap[1]
         rr = jnp.arange(rows, dtype=jnp.int32)
 
+        first = qb * real_rows  # this query block's first row among all real rows
+
         def capture_main(qk, k0):  # qk [rows, block_k]
             val = jnp.clip(qk, -_LOGIT_CLIP, _LOGIT_CLIP).astype(cap_ref.dtype)
-            pltr.store(cap_ref.at[pl.ds(cap_row0, rows), pl.ds(k0, block_k)],
-                       val, mask=(rr < n_cap)[:, None])
+            pltr.store(cap_ref.at[pl.ds(cap_row0 + first, rows), pl.ds(k0, block_k)],
+                       val, mask=((rr < real_rows) & (first + rr < n_cap))[:, None])
     elif cap is not None:
         qc = qc_ref[...]  # [crow, d]
         rpc = rpc_ref[...]  # [crow]
@@ -264,7 +267,7 @@ def _verify_kernel(layer_ref, *refs, block_k, split_len, s_len, scale, rows, kh,
             pl.when(qb == 0)(lambda: capture_sum(k, k0, kidx))
         qk = dot(q, k, trans_b=True) * scale  # [rows, block_k] fp32, log2 units
         if cap is not None and cap[0] == "main":
-            pl.when(qb == 0)(lambda: capture_main(qk, k0))
+            pl.when(first < n_cap)(lambda: capture_main(qk, k0))
         vis = kidx[None, :] <= rp[:, None]
         if windowed:
             vis &= kidx[None, :] > lo[:, None]
@@ -292,10 +295,11 @@ def _verify_kernel(layer_ref, *refs, block_k, split_len, s_len, scale, rows, kh,
 
 def _verify_call(layer, qr, rowpos, k_cache, v_cache, *, rows, n_splits, split_len, blocks,
                  interpret, out_dtype, normalize, cap=None, qc=None, rpc=None, window=None,
-                 cap_into=None):
+                 cap_into=None, real_rows=None):
     """qr [b, kh, nqb*rows, d]; rowpos [b, nqb*rows]; with a "sum" cap (`_verify_kernel`)
     also qc [b, kh, crow, d] (the capture rows) and rpc [b, crow] (their positions, -1 =
-    pad); window: an int32 scalar (0: none) or None (no window input). cap_into: a stacked
+    pad); real_rows: rows of a query block that are not padding (None: all of them);
+    window: an int32 scalar (0: none) or None (no window input). cap_into: a stacked
     capture buffer (`capture_buffer`) the logits go into at `layer`, returned updated.
     blocks: resolved (block_k, num_warps, num_stages set); normalize: finish one split in
     the kernel (m then holds the LSE). Returns o [b, kh, J, R, d],
@@ -308,7 +312,8 @@ def _verify_call(layer, qr, rowpos, k_cache, v_cache, *, rows, n_splits, split_l
     kernel = functools.partial(
         _verify_kernel, block_k=block_k, split_len=split_len, s_len=s_len,
         scale=d**-0.5 * _LOG2E, rows=rows, kh=kh, normalize=normalize, cap=cap,
-        windowed=window is not None, stacked=cap_into is not None)
+        real_rows=rows if real_rows is None else real_rows, windowed=window is not None,
+        stacked=cap_into is not None)
     out_shape = [  # o [b, kh, J, R, d], m, l [b, kh, J, R]
         jax.ShapeDtypeStruct((b, kh, n_splits, rtot, d), out_dtype if normalize else jnp.float32),
         jax.ShapeDtypeStruct((b, kh, n_splits, rtot), jnp.float32),
@@ -576,7 +581,7 @@ def verify_attention(
         blocks, block_k=bk, num_warps=blocks.num_warps or (4 if rows <= 64 else 8),
         num_stages=stages)
 
-    # capture tokens first, so their rows are the first n_cap rows of query block 0
+    # capture tokens first, so their rows are the first n_cap real rows (block 0 on)
     perm = uniq + [i for i in range(t) if i not in uniq]
     inv = [perm.index(i) for i in range(t)]
     qp = q if perm == list(range(t)) else q[:, jnp.array(perm)]
@@ -590,9 +595,11 @@ def verify_attention(
     rp = jnp.repeat(pp.reshape(b, nqb, tq), g, axis=2)
     rp = jnp.pad(rp, ((0, 0), (0, 0), (0, rows - tq * g)), constant_values=-1)
     rp = rp.reshape(b, nqb * rows)  # [b, nqb * rows]
-    n_cap = len(uniq) * g
-    if n_cap and len(uniq) > tq:
-        raise NotImplementedError("capture rows must fit one query block")
+    n_cap = len(uniq) * g  # the first n_cap real rows, in one query block or several
+
+    def real(a):  # [b, k, nqb * rows, ...] -> the first n_cap rows that are not padding
+        a = a.reshape(a.shape[:2] + (nqb, rows) + a.shape[3:])[:, :, :, :tq * g]
+        return a.reshape(a.shape[:2] + (nqb * tq * g,) + a.shape[4:])[:, :, :n_cap]
     nu = len(uniq)
     cap = qc = rpc = None
     if n_cap and score == "weight":  # needs the final LSE: store logits, finish after
@@ -600,8 +607,8 @@ def verify_attention(
     elif n_cap:  # linear in the logits: reduce over heads (and rows) in the kernel
         crow = pow2_at_least(n_cap)  # a power-of-two row count for the capture dot
         # qc [b, k, crow, d], rpc [b, crow]
-        qc = jnp.pad(qr[:, :, :n_cap], ((0, 0), (0, 0), (0, crow - n_cap), (0, 0)))
-        rpc = jnp.pad(rp[:, :n_cap], ((0, 0), (0, crow - n_cap)), constant_values=-1)
+        qc = jnp.pad(real(qr), ((0, 0), (0, 0), (0, crow - n_cap), (0, 0)))
+        rpc = jnp.pad(real(rp[:, None])[:, 0], ((0, 0), (0, crow - n_cap)), constant_values=-1)
         if capture == "mean":
             weights = (tuple(mult[r // g] if r < n_cap else 0.0 for r in range(crow)),)
         else:
@@ -615,7 +622,7 @@ def verify_attention(
     o, m, l, cbuf = _verify_call(
         layer, qr, rp, k_cache, v_cache, rows=rows, n_splits=n_splits, split_len=split_len,
         blocks=resolved, interpret=interpret, out_dtype=q.dtype, normalize=normalize,
-        cap=cap, qc=qc, rpc=rpc, window=window, cap_into=capture_into)
+        cap=cap, qc=qc, rpc=rpc, window=window, cap_into=capture_into, real_rows=tq * g)
 
     if normalize:
         out = o[:, :, 0]  # [b, k, R, d]
@@ -641,12 +648,12 @@ def verify_attention(
     lo_c = None if window is None else jnp.where(window > 0, pos_c - window, -1)  # [b, nu]
     if capture_into is not None:
         w = _capture_weights(capture, kh, g, uniq, cap_list, mult)[0]  # [kh * n_cap]
-        offset = lse[:, :, :n_cap].reshape(b, kh * n_cap) - jnp.log2(jnp.asarray(w))
+        offset = real(lse).reshape(b, kh * n_cap) - jnp.log2(jnp.asarray(w))
         return out, (cbuf, offset)
     if cap[0] == "main":
         # weights exp2(logit - lse) of the capture rows, reduced to the scores
         w = _capture_weights(capture, kh, g, uniq, cap_list, mult)
-        lse_c = lse[:, :, :n_cap].reshape(b, kh * n_cap)
+        lse_c = real(lse).reshape(b, kh * n_cap)
         rowpos = jnp.tile(jnp.repeat(pos_c, g, axis=1), (1, kh))  # [b, kh * n_cap]
         rowlo = None if lo_c is None else jnp.tile(jnp.repeat(lo_c, g, axis=1), (1, kh))
         sc = capture_scores(cbuf, lse_c, rowpos, w, s, rowlo,

@@ -178,6 +178,18 @@ def test_exact_greedy_speculative_equals_vanilla_in_bf16(tiny_bf16, prompts, met
     assert out.stats["rounds"] > 0
 
 
+@pytest.mark.slow
+def test_exact_last_captures_more_rows_than_one_query_block(tiny_bf16, prompts):
+    """`last` captures every verify row: at gamma 16 and group 2 that is 34 rows, more than
+    the invariant plan's 32-row program (the GPU's gamma 12 at group 3 once refused)."""
+    xc = ExecConfig(backend="pallas", exact=True)
+    ref = generate(tiny_bf16, prompts, 40, exec_config=xc)
+    out = speculative_generate(tiny_bf16, prompts, 40, SpecConfig(method="last", gamma=16,
+                                                                  min_tokens=8), exec_config=xc)
+    assert out.tokens == ref.tokens
+    assert out.stats["rounds"] > 0
+
+
 def test_exact_refuses_what_it_cannot_make_invariant():
     with pytest.raises(ValueError, match="one device"):
         ExecConfig(exact=True, tp=2)

@@ -1,5 +1,6 @@
 """Pallas verify attention (interpret mode) vs the jnp reference, plus CUDA lowering."""
 
+import dataclasses
 import functools
 
 import jax
@@ -122,6 +123,23 @@ def test_prefill_query_blocks(capture, score):
     q, kc, vc, q_pos = _inputs(3, L, b, kh, g, d, s, t, jnp.float32, (0, 50))
     kw = dict(capture=capture, capture_rows=(t - 1, 0), score=score)
     blocks = VerifyBlocks(max_rows=16, row_block=32, block_k=16)
+    out = compiled.call(verify_attention, q, kc, vc, jnp.int32(0), q_pos, interpret=True,
+                        blocks=blocks, **kw)
+    ref = compiled.call(verify_attention_reference, q, kc, vc, jnp.int32(0), q_pos, **kw)
+    _check(out, ref, jnp.float32)
+
+
+@pytest.mark.parametrize("capture,score", [("rows", "weight"), ("mean", "weight"),
+                                           pytest.param("rows", "logit", marks=pytest.mark.slow)])
+def test_capture_rows_span_query_blocks(capture, score):
+    """More capture rows than a query block holds (`last` at gamma 12 under the 32-row
+    invariant plan: 13 tokens x group 3 in blocks of 10 tokens), several key splits."""
+    from pallas_kernels.verify_attention import INVARIANT
+
+    L, b, kh, g, d, s, t = 1, 2, 2, 3, 64, 200, 13
+    q, kc, vc, q_pos = _inputs(4, L, b, kh, g, d, s, t, jnp.float32, (60, 170))
+    kw = dict(capture=capture, capture_rows=tuple(range(t)), score=score)
+    blocks = dataclasses.replace(INVARIANT, block_k=16, split_keys=64)
     out = compiled.call(verify_attention, q, kc, vc, jnp.int32(0), q_pos, interpret=True,
                         blocks=blocks, **kw)
     ref = compiled.call(verify_attention_reference, q, kc, vc, jnp.int32(0), q_pos, **kw)
