@@ -26,13 +26,20 @@ from pallas_kernels.common import dot, whole
 @dataclasses.dataclass(frozen=True)
 class MatmulBlocks:
     """One tile for every call (that is what makes rows invariant): rows, k and columns of
-    a program's block; Triton's warps and pipeline stages."""
+    a program's block; Triton's warps and pipeline stages. block_k None: chosen from the
+    weight's k alone (`k_block`), never from the rows."""
 
     block_m: int = 16
-    block_k: int = 64
+    block_k: int | None = None
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 3
+
+
+def k_block(k: int) -> int:
+    """A weight's k block: 256 for long rows that it divides (fewer, larger loads keep a
+    memory-bound decode GEMM streaming), else 64."""
+    return 256 if k >= 4096 and k % 256 == 0 else 64
 
 
 def matmul_reference(x, w, *, transpose_w: bool = False, out_dtype=None):
@@ -81,8 +88,9 @@ def matmul(x, w, *, transpose_w: bool = False, out_dtype=None,
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
     b = blocks
+    block_k = b.block_k or k_block(k)
     out = pl.pallas_call(
-        functools.partial(_kernel, m=m, k=k, n=n, block_m=b.block_m, block_k=b.block_k,
+        functools.partial(_kernel, m=m, k=k, n=n, block_m=b.block_m, block_k=block_k,
                           block_n=b.block_n, transpose_w=transpose_w),
         grid=(pl.cdiv(m, b.block_m), pl.cdiv(n, b.block_n)),
         in_specs=[whole(x2.shape), whole(w.shape)],

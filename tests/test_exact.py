@@ -21,18 +21,19 @@ from vegas_jax.params import layout_params
 BF16 = jnp.bfloat16
 
 
-@pytest.mark.parametrize("transpose_w", [False, True])
-def test_matmul_matches_reference_and_rows_are_invariant(transpose_w):
+@pytest.mark.parametrize("transpose_w,k", [(False, 200), (True, 200), (False, 4096)])
+def test_matmul_matches_reference_and_rows_are_invariant(transpose_w, k):
+    """k 200: 64-deep k blocks, the last one ragged; k 4096: 256-deep (`k_block`)."""
     kx, kw = jax.random.split(jax.random.PRNGKey(0))
-    x = jax.random.normal(kx, (37, 200), BF16)
-    w = jax.random.normal(kw, (150, 200) if transpose_w else (200, 150), BF16) * 0.1
+    x = jax.random.normal(kx, (37, k), BF16)
+    w = jax.random.normal(kw, (150, k) if transpose_w else (k, 150), BF16) * 0.1
     full = matmul(x, w, transpose_w=transpose_w, interpret=True)
     ref = matmul_reference(x, w, transpose_w=transpose_w)
     np.testing.assert_allclose(np.asarray(full, np.float32), np.asarray(ref, np.float32),
                                rtol=2e-2, atol=2e-2)
     one = matmul(x[5:6], w, transpose_w=transpose_w, interpret=True)  # a decode step's row
     seven = matmul(x[3:10], w, transpose_w=transpose_w, interpret=True)  # inside a verify
-    padded = jnp.concatenate([x[5:6], jnp.zeros((4, 200), BF16)])  # a batch of 5, padded
+    padded = jnp.concatenate([x[5:6], jnp.zeros((4, k), BF16)])  # a batch of 5, padded
     five = matmul(padded, w, transpose_w=transpose_w, interpret=True)
     assert jnp.array_equal(full[5], one[0])
     assert jnp.array_equal(full[5], seven[2])
