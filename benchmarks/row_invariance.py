@@ -70,10 +70,11 @@ def whole_forward(model, xc, batch, context, gamma):
     from vegas_jax.execution import model_jit
     from vegas_jax.methods import METHODS
     from vegas_jax.model import forward
+    from vegas_jax.prefill import round_up
     from vegas_jax.speculative import SpecConfig, round_capture
 
     cfg = model.config
-    max_len = -(-(context + gamma + 1) // 128) * 128
+    max_len = round_up(context + gamma + 1, 128)
     cache = synthetic_cache(cfg, batch, max_len, context, jnp.bfloat16)
     lengths = context - (jnp.arange(batch, dtype=jnp.int32) * 613) % (context // 2)
     cache = cache.replace(lengths=lengths)
@@ -103,7 +104,7 @@ def whole_forward(model, xc, batch, context, gamma):
         logits, _ = fwd(model.params, xc, toks[i:i + 1, :1], pos[i:i + 1, :1], one, None)
         alone.append(equal_rows(logits[:, 0], steps[i:i + 1, 0]))
         # the cache a batch of one would have: as long as its own sequence needs
-        s = -(-(int(lengths[i]) + gamma + 1) // 128) * 128
+        s = round_up(int(lengths[i]) + gamma + 1, 128)
         one = one.replace(k=one.k[:, :, :, :s], v=one.v[:, :, :, :s])
         logits, _ = fwd(model.params, xc, toks[i:i + 1, :1], pos[i:i + 1, :1], one, None)
         short.append(equal_rows(logits[:, 0], steps[i:i + 1, 0]))
