@@ -141,6 +141,7 @@ def test_auto_builds_in_the_background_while_it_decodes(setup, run, monkeypatch)
     _, _, vanilla = setup
     run("auto")  # gamma 1's round
     monkeypatch.setattr(AutoController, "BUILD_MIN_CALLS", 0)
+    monkeypatch.setattr(AutoController, "BUILD_MIN_COVER", 0.0)
     monkeypatch.setattr(AutoController, "BACKGROUND", True)  # also on the CPU
     model, prompts, *_ = setup
     res = speculative_generate(model, prompts, NEW, SpecConfig(method="auto", gamma=AUTO_GAMMA,
@@ -168,6 +169,7 @@ def test_auto_decodes_before_its_other_candidates_are_built(setup, run, monkeypa
     gate = threading.Event()
     monkeypatch.setattr(auto_mod, "compile_only", lambda run, spent: gate.wait(60))
     monkeypatch.setattr(AutoController, "BUILD_MIN_CALLS", 0)
+    monkeypatch.setattr(AutoController, "BUILD_MIN_COVER", 0.0)
     monkeypatch.setattr(AutoController, "BACKGROUND", True)
     model, prompts, *_ = setup
     res = speculative_generate(model, prompts, NEW, SpecConfig(method="auto", gamma=AUTO_GAMMA,
@@ -839,6 +841,22 @@ def test_auto_builds_the_other_candidates_after_its_first_call():
     ctl.read(np.array([4]), np.array([True]), remaining=np.array([20]))
     assert ctl.build == "skipped" and ctl.pending == [] and ctl.built_at is None
     assert ctl.choose() == 4
+    # in the background: 1000 calls left (5000 tokens at tau 5) of 10 ms = 10 s do not
+    # outlast two candidates built 6 s each (the first call's dispatch, its compile)
+    for remaining, build in ((5000, "skipped"), (10000, "running")):
+        ctl = AutoController(SpecConfig(method=Auto(gammas=(2, 4)), gamma=4))
+        ctl.prepare(lambda c: (lambda st: (st, c)))
+        with pytest.MonkeyPatch.context() as mp:
+            gate = threading.Event()
+            mp.setattr(auto_mod, "compile_only", lambda run, spent: gate.wait(60))
+            mp.setattr(AutoController, "BACKGROUND", True)
+            ctl.run(ctl.choose(), spent)
+            ctl.in_flight[0] = (4, 6.0)
+            ctl.read(np.array([4]), np.array([True]), wait_s=0.01,
+                     remaining=np.array([remaining]))
+            assert ctl.build == build and ctl.pending == []
+            gate.set()
+            _join_builds()
     # no donated buffer (a runner that does not donate): built by first calls instead
     ctl = AutoController(SpecConfig(method=Auto(gammas=(2, 4)), gamma=4))
     ctl.prepare(lambda c: (lambda st: (st, c)))

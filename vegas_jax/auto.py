@@ -3,15 +3,15 @@ generating, from measured call times and the acceptance seen so far.
 
 Start: auto decodes at once with its configured gamma, which its first call compiles (as
 a fixed method's does). At the first read, where the tokens left need BUILD_MIN_CALLS calls
-or more, a thread compiles the other candidates while it decodes (`compile_only`: each
-runner called on the state the first call donated; XLA's compile releases the GIL; on a
-CPU device the read waits for it instead: the compile would take the calls' cores); a
-shorter generation could not use them and keeps the configured gamma. Until the last one
-is built every call runs the configured gamma and none is timed (a compile holds the host
-and, with its autotuning, the GPU); after it each candidate's first dispatch is not timed
-either (building an executable drops every command buffer), then the controller explores
-and chooses as below. Acceptance is counted throughout: it is the device's, not the
-clock's."""
+or more and, for a background build, outlast it (`_covers_build`), a thread compiles the
+other candidates while it decodes (`compile_only`: each runner called on the state the
+first call donated; XLA's compile releases the GIL; on a CPU device the read waits for it
+instead: the compile would take the calls' cores); a shorter generation could not use
+them and keeps the configured gamma. Until the last one is built every call runs the
+configured gamma and none is timed (a compile holds the host and, with its autotuning, the
+GPU); after it each candidate's first dispatch is not timed either (building an executable
+drops every command buffer), then the controller explores and chooses as below.
+Acceptance is counted throughout: it is the device's, not the clock's."""
 
 from __future__ import annotations
 
@@ -75,6 +75,11 @@ class AutoController:
     # calls left at the first read (the slowest sequence's tokens left over its tau at
     # the configured gamma) below which the others are not built: exploring takes as many
     BUILD_MIN_CALLS = 24
+    # and, for a background build, the decode time left (those calls at the first call's
+    # device time) over the build's (the first call's compile per candidate) below which
+    # they are not built either: a build the generation does not outlast is never used,
+    # and it slows the calls it overlaps
+    BUILD_MIN_COVER = 1.0
 
     def __init__(self, spec):
         g0 = spec.gamma
@@ -116,7 +121,7 @@ class AutoController:
         self.warm: set[int] = set()
         self.pending: list[int] = []  # built in the background after the first call
         self.spent = None  # the state the first call donated (`compile_only`)
-        # "none" (nothing to build), "pending", "skipped" (too few calls left), "running",
+        # "none" (nothing to build), "pending", "skipped" (too little decoding left), "running",
         # "done"
         self.build = "none"
         self.background = None  # whether the build ran in the background
@@ -153,8 +158,7 @@ class AutoController:
             self.built_at, self.build = time.perf_counter(), "done"
             return
         self.build = "running"
-        self.background = (jax.default_backend() != "cpu" if self.BACKGROUND is None
-                           else self.BACKGROUND)
+        self.background = self._background()
         me, runners, ready, t0 = weakref.ref(self), self.runners, self.ready, time.perf_counter()
 
         def build():
@@ -282,10 +286,23 @@ class AutoController:
             rem = self.remaining
             left = None if rem is None or not len(rem) else \
                 rem.max() / self.finish_tau(self.spec.gamma)
-            if self.BACKGROUND is False or left is None or left >= self.BUILD_MIN_CALLS:
+            if self.BACKGROUND is False or left is None or (
+                    left >= self.BUILD_MIN_CALLS and self._covers_build(left, dispatch, wait_s)):
                 self._build(self.spent)
             else:
                 self.pending, self.spent, self.build = [], None, "skipped"
+
+    def _background(self) -> bool:
+        return jax.default_backend() != "cpu" if self.BACKGROUND is None else self.BACKGROUND
+
+    def _covers_build(self, calls_left: float, compile_s: float, call_s) -> bool:
+        """Whether `calls_left` calls of `call_s` (the first call's wait for its output: its
+        device time; None: not known) outlast building the pending candidates, each as
+        long as the first call's dispatch (`compile_s`, its compile). A foreground build
+        holds the generation whatever its length: the calls left alone decide there."""
+        if not self._background() or call_s is None:
+            return True
+        return calls_left * call_s >= self.BUILD_MIN_COVER * compile_s * len(self.pending)
 
     def _live(self, active):
         """The sequences the next calls decode: those active in the latest round. A slot

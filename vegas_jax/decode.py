@@ -157,7 +157,7 @@ def run(args) -> int:
         a = st["auto"]
         calls = ", ".join(f"{k} x{n}" for k, n in a["calls"].items())
         n = a["built_after_calls"]
-        built = {"skipped": "not built, too few calls left to try them",
+        built = {"skipped": "not built, too little decoding left to build and try them",
                  "running": "still compiling in the background at the end",
                  "done": f"compiled in {a['compile_s'] or 0:.1f}s "
                  + ("in the background" if a["build_background"] else "at the first read")
