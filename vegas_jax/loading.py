@@ -183,8 +183,15 @@ def load_model(
     """
     from vegas_jax.sharding import check_tp, place_params
 
-    xc = exec_config.resolve()
-    m = _load(name, checkpoint, random_init, dtype, seed, xc.layers == "unrolled")
+    if random_init:
+        xc = exec_config.resolve()
+        m = _load(name, checkpoint, random_init, dtype, seed, xc.layers == "unrolled")
+    else:
+        # the runtime starts (a GPU's takes a second or so) while numpy reads the checkpoint
+        with ThreadPoolExecutor(1) as pool:
+            pool.submit(jax.devices)
+            m = _load(name, checkpoint, random_init, dtype, seed)
+        xc = exec_config.resolve()
     check_tp(m.config, xc.tp)
     params = layout_params(m.params, xc, donate=True)  # freshly loaded: nobody else holds them
     return m._replace(params=place_params(params, m.config, xc.tp), exec_config=xc)
