@@ -294,6 +294,21 @@ def drive(step: Callable, state, collector: TokenCollector, clock: DecodeClock, 
         out = nxt
 
 
+def run_stats(ids, batch: int, refill: Refill | None, prefill_s: float,
+              clock: DecodeClock) -> dict:
+    """What every generation reports about its run: slots, prompts, refills, prefill time
+    and the clock's timings."""
+    return {
+        "batch": batch,
+        "prompts": len(ids),
+        "refills": refill.refills if refill else 0,
+        "refill_prefills": refill.prefills if refill else 0,  # calls: refills go in groups
+        "prompt_tokens": [len(p) for p in ids],
+        "prefill_s": prefill_s,
+        **clock.stats(),
+    }
+
+
 def exec_config(model, override: ExecConfig | None = None) -> ExecConfig:
     """The model's execution config (or `override`), resolved. The layer loop follows the
     params' layout (set at load time by `layout_params`), so the two never disagree."""

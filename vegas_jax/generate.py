@@ -15,7 +15,8 @@ from vegas_jax.cache import KVCache
 from vegas_jax.config import ModelConfig
 from vegas_jax.execution import ExecConfig, model_jit
 from vegas_jax.model import forward
-from vegas_jax.driver import DecodeClock, GenerationResult, Progress, Refill, drive, launch
+from vegas_jax.driver import (DecodeClock, GenerationResult, Progress, Refill, drive, launch,
+                              run_stats)
 from vegas_jax.prefill import prefill_group, prefill_prompts
 from vegas_jax.prompts import decode_text, rows_of
 from vegas_jax.sampling import SamplingParams, sample
@@ -106,15 +107,6 @@ def generate(
         drive(lambda st: (lambda s, toks, done: (s, (toks, done)))(
             *decode_steps(model.params, cfg, xc, st, sampling, steps_per_call)),
             state, collector, clock, refill=refill)
-    stats = {
-        "method": "vanilla",
-        "batch": slots,
-        "prompts": len(ids),
-        "refills": refill.refills if refill else 0,
-        "refill_prefills": refill.prefills if refill else 0,  # calls: refills go in groups
-        "prompt_tokens": [len(p) for p in ids],
-        "prefill_s": prefill_s,
-        **clock.stats(),
-        "backend": xc.backend,
-    }
+    stats = {"method": "vanilla", **run_stats(ids, slots, refill, prefill_s, clock),
+             "backend": xc.backend}
     return GenerationResult(collector.tokens, decode_text(model, collector.tokens), stats)

@@ -19,7 +19,8 @@ from vegas_jax.attention import AttnPlan, Capture, raw_capture
 from vegas_jax.auto import AutoController
 from vegas_jax.cache import KVCache
 from vegas_jax.config import ModelConfig
-from vegas_jax.driver import DecodeClock, GenerationResult, Progress, Refill, drive, launch
+from vegas_jax.driver import (DecodeClock, GenerationResult, Progress, Refill, drive, launch,
+                              run_stats)
 from vegas_jax.execution import ExecConfig, model_jit
 from vegas_jax.generate import DecodeState, decode_steps_body, generate
 from vegas_jax.methods import DEFAULT_METHOD, SCORES, Auto, Method, method_named
@@ -319,13 +320,7 @@ def speculative_generate(
         "method": spec.name,
         "gamma": gamma if auto is None else None,
         "sparsity": spec.sparsity,
-        "batch": batch,
-        "prompts": len(ids),
-        "refills": refill.refills if refill else 0,
-        "refill_prefills": refill.prefills if refill else 0,  # calls: refills go in groups
-        "prompt_tokens": [len(p) for p in ids],
-        "prefill_s": prefill_s,
-        **clock.stats(),
+        **run_stats(ids, batch, refill, prefill_s, clock),
         **tally.stats(auto),
         "backend": xc.backend,
         "cache_len": cache.max_len,
