@@ -114,7 +114,6 @@ def whole_forward(model, xc, batch, context, gamma):
 
 
 def main(argv=None) -> int:
-    from vegas_jax.execution import ExecConfig
     from vegas_jax.loading import load_model
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
