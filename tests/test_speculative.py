@@ -81,6 +81,31 @@ def run(setup):
     return get
 
 
+def test_first_token_streams_while_the_first_state_compiles(setup, run, monkeypatch):
+    """The prefill's token reaches `on_tokens` before the first state's selection is
+    compiled (on a thread): that compile does not hold the first token."""
+    from vegas_jax import speculative as spec_mod
+
+    model, prompts, vanilla = setup
+    run("vegas")  # the prefill compiled
+    streamed, real = threading.Event(), spec_mod.init_state
+
+    class Gated:  # init_state whose compile waits for the first streamed token
+        def lower(self, *a):
+            assert streamed.wait(60), "the first token waited for init_state's compile"
+            return real.lower(*a)
+
+        def __call__(self, *a):  # compiles here unless compiled before
+            assert streamed.is_set(), "init_state ran before the first token was streamed"
+            return real(*a)
+
+    monkeypatch.setattr(spec_mod, "init_state", Gated())
+    res = speculative_generate(model, prompts, NEW, SpecConfig(method="vegas", gamma=GAMMA,
+                                                               min_tokens=8),
+                               exec_config=XLA, on_tokens=lambda new: streamed.set())
+    assert res.tokens == vanilla.tokens
+
+
 def _check_stats(st, n_prompts, gamma):
     # tau (mean acceptance length) = 1 + the sum of the cumulative acceptance by position,
     # and the cumulative is the running product of the conditional one

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
 import jax
@@ -277,9 +278,14 @@ def speculative_generate(
                                             prefill_capture(spec))
     x0, _ = sample(k0, logits, sampling)
     progress = Progress.start(x0, limits[:batch], eos)
-    state = init_state(spec, xc, cache, x0, key, scores, cache.lengths + 0,  # own buffer: donated
-                       progress)
-    collector.add([[t] for t in jax.device_get(x0)])
+    args = (spec, xc, cache, x0, key, scores, cache.lengths + 0, progress)  # own lengths: donated
+    # the first state's selection compiles on a thread while the prefill runs and its
+    # token is read and streamed (that compile would otherwise hold the first token)
+    with ThreadPoolExecutor(1) as pool:
+        built = pool.submit(lambda: init_state.lower(*args).compile())
+        collector.add([[t] for t in jax.device_get(x0)])
+        built.result()
+    state = init_state(*args)
     prefill_s = time.perf_counter() - t0
 
     tally = Tally(gamma, len(ids))
