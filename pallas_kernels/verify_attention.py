@@ -293,12 +293,12 @@ def _verify_kernel(layer_ref, *refs, block_k, split_len, s_len, scale, rows, kh,
     l_ref[...] = l
 
 
-def _verify_call(layer, qr, rowpos, k_cache, v_cache, *, rows, n_splits, split_len, blocks,
-                 interpret, out_dtype, normalize, cap=None, qc=None, rpc=None, window=None,
-                 cap_into=None, real_rows=None):
+def _verify_call(layer, qr, rowpos, k_cache, v_cache, *, rows, real_rows, n_splits, split_len,
+                 blocks, interpret, out_dtype, normalize, cap=None, qc=None, rpc=None,
+                 window=None, cap_into=None):
     """qr [b, kh, nqb*rows, d]; rowpos [b, nqb*rows]; with a "sum" cap (`_verify_kernel`)
     also qc [b, kh, crow, d] (the capture rows) and rpc [b, crow] (their positions, -1 =
-    pad); real_rows: rows of a query block that are not padding (None: all of them);
+    pad); real_rows: rows of a query block that are not padding;
     window: an int32 scalar (0: none) or None (no window input). cap_into: a stacked
     capture buffer (`capture_buffer`) the logits go into at `layer`, returned updated.
     blocks: resolved (block_k, num_warps, num_stages set); normalize: finish one split in
@@ -312,7 +312,7 @@ def _verify_call(layer, qr, rowpos, k_cache, v_cache, *, rows, n_splits, split_l
     kernel = functools.partial(
         _verify_kernel, block_k=block_k, split_len=split_len, s_len=s_len,
         scale=d**-0.5 * _LOG2E, rows=rows, kh=kh, normalize=normalize, cap=cap,
-        real_rows=rows if real_rows is None else real_rows, windowed=window is not None,
+        real_rows=real_rows, windowed=window is not None,
         stacked=cap_into is not None)
     out_shape = [  # o [b, kh, J, R, d], m, l [b, kh, J, R]
         jax.ShapeDtypeStruct((b, kh, n_splits, rtot, d), out_dtype if normalize else jnp.float32),

@@ -183,7 +183,7 @@ def test_every_output_written(mode):
         rpc = jnp.pad(rp[:, :n_cap], ((0, 0), (0, crow - n_cap)), constant_values=-1)
         cap = ("sum", n_cap, crow, (tuple([0.5] * n_cap + [0.0] * (crow - n_cap)),))
     o, m, l, buf = _verify_call(
-        jnp.int32(0), qr, rp, kc, vc, rows=rows, n_splits=3, split_len=32,
+        jnp.int32(0), qr, rp, kc, vc, rows=rows, real_rows=t * g, n_splits=3, split_len=32,
         blocks=VerifyBlocks(block_k=16, num_warps=4, num_stages=2), interpret=True,
         out_dtype=q.dtype, normalize=False, cap=cap, qc=qc, rpc=rpc)
     for x in (o, m, l):
