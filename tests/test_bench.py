@@ -3,6 +3,7 @@ times, speedups), the profile-only path, and input errors."""
 
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -117,3 +118,35 @@ def test_profile_only_projects(tiny, capsys):
 def test_bad_input(flags, msg, capsys):
     assert bench.main(flags, model=tiny_model()) == 2
     assert msg in capsys.readouterr().err
+
+
+_COMPILES: list = []  # backend compiles while a test listens
+_LISTEN = []
+jax.monitoring.register_event_duration_secs_listener(
+    lambda event, secs, **kw: _COMPILES.append(event) if (
+        _LISTEN and event.endswith("backend_compile_duration")) else None)
+
+
+def test_auto_is_timed_with_its_candidates_compiled(prompts_json, tiny, capsys, monkeypatch):
+    """auto's timed run compiles nothing: a first generation of the same shapes built every
+    candidate (as a fixed method's first call compiles its round, untimed), so the timed
+    run builds from the caches and explores from its first calls."""
+    from vegas_jax.auto import AutoController
+
+    monkeypatch.setattr(AutoController, "BUILD_MIN_CALLS", 0)  # 16 tokens: a few calls
+    warm = bench._compile_auto
+
+    def compile_then_listen(*a, **k):
+        warm(*a, **k)
+        _LISTEN.append(True)
+    monkeypatch.setattr(bench, "_compile_auto", compile_then_listen)
+    try:
+        rc = bench.main(["--prompts-json", prompts_json, *BENCH_WORKLOAD, *SPEC,
+                         "--methods", "vanilla,auto", "--profile-reps", "0", "--json"],
+                        model=tiny)
+    finally:
+        _LISTEN.clear()
+    assert rc == 0 and _COMPILES == []
+    auto = {r["method"]: r for r in json.loads(capsys.readouterr().out)["rows"]}["auto"]
+    assert auto["auto"]["build"] == "done" and auto["equal_sequences"] == 2
+    assert AutoController.BACKGROUND is None  # restored
