@@ -99,7 +99,7 @@ class Phases:
                                         (len(cfg.full_layers), b, cache.max_len))
         x0 = jnp.zeros((b,), jnp.int32) if x0 is None else x0
         big = 1 << 30  # never stops: phases are timed, not generated
-        self.state = S.init_state(spec, xc, cache, x0, jax.random.PRNGKey(0), scores, self.n + 0,
+        self.state = S.init_state(spec, xc, cache, x0, jax.random.PRNGKey(0), scores,
                                   Progress.start(x0, big, ()))
         self.drafts = jnp.zeros((b, spec.gamma), jnp.int32)
         key = jax.random.PRNGKey(2)

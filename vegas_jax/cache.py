@@ -6,6 +6,8 @@ read; transposing the cache per call would cost several times the attention itse
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -28,7 +30,9 @@ class KVCache:
         return self.k.shape[1]
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.bfloat16) -> KVCache:
+    """An empty cache, in one compiled call (op by op, each zeros is a compile of its own)."""
     shape = (cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim)
     return KVCache(
         k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),

@@ -50,7 +50,7 @@ def pad_prompts(prompts: list[list[int]]):
     toks = np.zeros((len(prompts), width), np.int32)
     for i, p in enumerate(prompts):
         toks[i, : len(p)] = p
-    return jnp.asarray(toks), jnp.asarray(lens)
+    return jax.device_put(toks), jax.device_put(lens)  # transfers: jnp.asarray compiles a copy
 
 
 def prefill_budget(cfg: ModelConfig, free: int | None) -> int:
@@ -208,7 +208,7 @@ def prefill_prompts(params, cfg, xc: ExecConfig, ids: list[list[int]], cache: KV
     groups: dict[int, list[int]] = {}
     for i, p in enumerate(ids):
         groups.setdefault(round_up(len(p), PROMPT_BUCKET), []).append(i)
-    lens = jnp.asarray([len(p) for p in ids], jnp.int32)
+    lens = jax.device_put(np.array([len(p) for p in ids], np.int32))
     free = available_bytes()
     plans = {w: prefill_plan(cfg, len(r), w, free) for w, r in groups.items()}
     show = sum(map(len, ids)) >= PROGRESS_TOKENS

@@ -168,11 +168,11 @@ def plain_steps(params, cfg: ModelConfig, xc: ExecConfig, state: SpecState, spec
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "xc"), donate_argnames=("cache",))
-def init_state(spec: SpecConfig, xc: ExecConfig, cache: KVCache, x0, key, scores, lens,
+def init_state(spec: SpecConfig, xc: ExecConfig, cache: KVCache, x0, key, scores,
                progress: Progress) -> SpecState:
     """The first state after a prefill (jitted: the selection run op by op is slow, and
     every refilled slot pays it again)."""
-    sel = spec.method.init(spec, cache, scores, lens, xc)
+    sel = spec.method.init(spec, cache, scores, cache.lengths, xc)
     return SpecState(cache=cache, x0=x0, key=key, sel=sel, progress=progress)
 
 
@@ -278,7 +278,7 @@ def speculative_generate(
                                             prefill_capture(spec))
     x0, _ = sample(k0, logits, sampling)
     progress = Progress.start(x0, limits[:batch], eos)
-    args = (spec, xc, cache, x0, key, scores, cache.lengths + 0, progress)  # own lengths: donated
+    args = (spec, xc, cache, x0, key, scores, progress)
     # the first state's selection compiles on a thread while the prefill runs and its
     # token is read and streamed (that compile would otherwise hold the first token)
     with ThreadPoolExecutor(1) as pool:
@@ -315,7 +315,7 @@ def speculative_generate(
         grp, first, sc = prefill_group(model, xc, [ids[p] for p in prompts], rows,
                                        cache.max_len, prefill_capture(spec),
                                        jax.random.fold_in(k0, prompts[0]), sampling)
-        return init_state(spec, xc, grp, first, key, sc, grp.lengths + 0,
+        return init_state(spec, xc, grp, first, key, sc,
                           Progress.start(first, rows_of(limits, prompts, rows), eos)), first
 
     refill = Refill(range(batch, len(ids)), prefill_some, collector) if len(ids) > batch else None
