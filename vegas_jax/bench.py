@@ -391,8 +391,7 @@ def _compile_auto(model, prompts, new_tokens, spec, sampling, seed):
 
     before, AutoController.BACKGROUND = AutoController.BACKGROUND, False
     try:
-        speculative_generate(model, prompts, new_tokens, dataclasses.replace(spec, method="auto"),
-                             sampling, seed=seed)
+        speculative_generate(model, prompts, new_tokens, spec, sampling, seed=seed)
     finally:
         AutoController.BACKGROUND = before
 
