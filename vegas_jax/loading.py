@@ -187,7 +187,7 @@ def load_model(
         xc = exec_config.resolve()
         m = _load(name, checkpoint, random_init, dtype, seed, xc.layers == "unrolled")
     else:
-        # the runtime starts (a GPU's takes a second or so) while numpy reads the checkpoint
+        # the runtime starts (a GPU's is slow to) while numpy reads the checkpoint
         with ThreadPoolExecutor(1) as pool:
             pool.submit(jax.devices)
             m = _load(name, checkpoint, random_init, dtype, seed)
