@@ -147,15 +147,14 @@ def test_draft_mlp_kernel_where_the_model_allows(folded):
     norm weight is folded, small weights and at least `draft_mlp.MIN_ROWS` rows."""
     from pallas_kernels import draft_mlp
     from vegas_jax.model import draft_mlp_kernel
-    from vegas_jax.params import params_layer
     from tests.tiny import tiny_model
 
-    lp, many = params_layer(folded.params), draft_mlp.MIN_ROWS
+    lp, many = folded.params.layers, draft_mlp.MIN_ROWS  # every layer's, stacked
     assert draft_mlp_kernel(PALLAS, lp, many)
     assert not draft_mlp_kernel(PALLAS, lp, many - 1)  # too few rows: XLA's three kernels
     assert not draft_mlp_kernel(XLA, lp, many)
     assert not draft_mlp_kernel(ExecConfig(backend="pallas", tp=2), lp, many)
-    assert not draft_mlp_kernel(PALLAS, params_layer(tiny_model().params), many)  # norm kept
+    assert not draft_mlp_kernel(PALLAS, tiny_model().params.layers, many)  # norm kept
     assert not draft_mlp_kernel(PALLAS, lp.replace(w_gate_up=None), many)  # MoE
     big = lp.replace(w_gate_up=jnp.zeros((1024, 2 * 2048), jnp.float32))
     assert not draft_mlp_kernel(PALLAS, big, many)  # weights over SMALL_BYTES

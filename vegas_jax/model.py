@@ -20,6 +20,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 from jax import lax
 
 from pallas_kernels import draft_mlp, grouped_matmul
@@ -32,7 +33,8 @@ from vegas_jax.attention import (
 from vegas_jax.cache import KVCache, write_kv
 from vegas_jax.config import ModelConfig, rope_inv_freq
 from vegas_jax.execution import ExecConfig
-from vegas_jax.params import LayerParams, Params
+from vegas_jax.params import LayerParams, Params, fused_widths
+from vegas_jax.sharding import split_columns
 
 # A fused draft carries its rows padded to a multiple of this: cuBLAS pads half-precision
 # matmul operands to multiples of 8, with a pad kernel before every matmul otherwise.
@@ -88,61 +90,93 @@ def apply_rope(x, cos, sin):
     return (xf * cos[:, :, None, :] + rot * sin[:, :, None, :]).astype(x.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "xc", "write"))
-def _layer(cfg: ModelConfig, xc: ExecConfig, write: bool, plan: AttnPlan, cos, sin, positions,
-           rope, carry, lp: LayerParams, li):
-    """One transformer layer: carry (x [b, t, h], k_cache, v_cache[, capture buffer]) ->
-    (carry, scores). A raw capture's stacked buffer (`Capture.raw`) rides in the carry:
-    each layer's verify writes its rows into it, and the layer's scores are its offsets.
+@struct.dataclass
+class LayerInputs:
+    """What every layer of one forward reads besides its weights and the carry."""
+
+    plan: AttnPlan
+    cos: jax.Array  # [b, t, d] RoPE tables (`rope_tables`)
+    sin: jax.Array
+    positions: jax.Array  # [b, t]
+    rope: jax.Array | None  # [b, 2, d/2] the fused draft kernel's table (`rope_halves`)
+    write: bool = struct.field(pytree_node=False, default=True)  # K/V into the cache
+
+
+@struct.dataclass
+class Carry:
+    """What one layer hands the next: one structure for every layer of a forward."""
+
+    x: jax.Array  # [b, t, h]
+    k_cache: jax.Array  # [L, b, k, s, d]
+    v_cache: jax.Array
+    # a raw capture's stacked buffer (`Capture.raw`): each layer's verify writes its rows
+    # into it; None for every other forward
+    capture: jax.Array | None = None
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "xc"))
+def _layer(cfg: ModelConfig, xc: ExecConfig, inp: LayerInputs, carry: Carry, lp: LayerParams,
+           li):
+    """One transformer layer: (carry, scores). scores: the layer's captured scores (a raw
+    capture's: the offsets of the rows it wrote into `carry.capture`), else None.
 
     Jitted on its own, with the layer index `li` traced: every layer of a forward is then
     traced and lowered once, whether the layers run in a loop or unrolled (per-layer
     weight buffers: on the GPU the host walks no loop body per layer, but 30 layers traced
     and lowered one by one took ~10 s a round on the CPU). XLA inlines the calls."""
-    k_heads, g, d = cfg.num_kv_heads, cfg.group_size, cfg.head_dim
-    x, k_cache, v_cache, *cap_buf = carry  # x [b, t, h]
-    b, t, _ = x.shape
-    fused = write and fused_draft(plan, xc, cfg)
+    x = carry.x  # [b, t, h]
+    fused = inp.write and fused_draft(inp.plan, xc, cfg)
     # a fused draft with the norm's weight folded into w_qkv applies the norm's row scale in
     # its kernel (it commutes with the projection); the verify keeps the model's exact order
     scaled_in_kernel = fused and lp.attn_norm is None
-    inv = row_invariant(xc, plan)
+    inv = row_invariant(xc, inp.plan)
     h = x if scaled_in_kernel else rms_norm(x, lp.attn_norm, cfg.rms_norm_eps, inv, xc)
     qkv = linear(h, lp.w_qkv, inv, xc)  # [b, t, (n + 2k)*d]
     if lp.b_qkv is not None:
         qkv = qkv + lp.b_qkv
     if fused:  # the attention block in one kernel
+        b = x.shape[0]
         # the Q/K norm weights of models without QK-norm: a literal, never read
-        ones = np.ones((d,), np.float32)
+        ones = np.ones((cfg.head_dim,), np.float32)
         qn, kn = (lp.q_norm, lp.k_norm) if cfg.qk_norm else (ones, ones)
-        o, k_cache, v_cache = sparse_block(plan, xc, cfg, qkv, qn, kn, rope, k_cache,
-                                           v_cache, li, positions,
+        o, k_cache, v_cache = sparse_block(inp.plan, xc, cfg, qkv, qn, kn, inp.rope,
+                                           carry.k_cache, carry.v_cache, li, inp.positions,
                                            x.reshape(b, -1) if scaled_in_kernel else None)
-        return _mlp(cfg, xc, x, o, lp, draft=True), k_cache, v_cache, None
-    # columns per shard: [q_i | k_i | v_i] for each of the tp shards (`sharding`)
-    per = qkv.reshape(b, t, xc.tp, -1)  # [b, t, tp, (n + 2k)*d / tp]
-    nq, nk = k_heads * g * d // xc.tp, k_heads * d // xc.tp
-    q = per[..., :nq].reshape(b, t, k_heads * g, d)
-    k = per[..., nq:nq + nk].reshape(b, t, k_heads, d)
-    v = per[..., nq + nk:].reshape(b, t, k_heads, d)
+        x = _mlp(cfg, xc, x, o, lp, draft=True)
+        return carry.replace(x=x, k_cache=k_cache, v_cache=v_cache), None
+    o, carry, scores = _attend(cfg, xc, inp, carry, lp, li, qkv, inv)
+    return carry.replace(x=_mlp(cfg, xc, x, o, lp, inv=inv)), scores
+
+
+def _attend(cfg: ModelConfig, xc: ExecConfig, inp: LayerInputs, carry: Carry,
+            lp: LayerParams, li, qkv, inv: bool):
+    """A layer's attention from its projection qkv [b, t, (n + 2k)*d]: Q/K norms, RoPE, the
+    cache write and the plan's attention. Returns (out [b, t, k, g, d], carry with the
+    caches (and capture buffer) written, scores or None)."""
+    k_heads, g, d = cfg.num_kv_heads, cfg.group_size, cfg.head_dim
+    b, t, _ = qkv.shape
+    q, k, v = split_columns(qkv, fused_widths(cfg)["w_qkv"], xc.tp)
+    q, k, v = (q.reshape(b, t, k_heads * g, d), k.reshape(b, t, k_heads, d),
+               v.reshape(b, t, k_heads, d))
     if cfg.qk_norm:
         q = rms_norm(q, lp.q_norm, cfg.rms_norm_eps, inv, xc)
         k = rms_norm(k, lp.k_norm, cfg.rms_norm_eps, inv, xc)
-    q = apply_rope(q, cos, sin).reshape(b, t, k_heads, g, d)  # [b, t, k, g, d]
-    k = apply_rope(k, cos, sin)  # [b, t, k, d]
-    if write:
-        k_cache, v_cache = write_kv(k_cache, v_cache, li, k, v, positions)
+    q = apply_rope(q, inp.cos, inp.sin).reshape(b, t, k_heads, g, d)  # [b, t, k, g, d]
+    k = apply_rope(k, inp.cos, inp.sin)  # [b, t, k, d]
+    k_cache, v_cache = carry.k_cache, carry.v_cache
+    if inp.write:
+        k_cache, v_cache = write_kv(k_cache, v_cache, li, k, v, inp.positions)
     window = slot = None
     if cfg.sliding_layers:  # this layer's window (0: full) and row of the selection
         window = jnp.asarray(cfg.layer_windows, jnp.int32)[li]
         slot = jnp.asarray(cfg.selection_slots, jnp.int32)[li]
     sinks = None if lp.sinks is None else lp.sinks.reshape(k_heads, g)  # [k, g]
-    o, scores = attention(plan, xc, q, k_cache, v_cache, li, positions, window=window,
-                          sinks=sinks, slot=slot, capture_into=cap_buf[0] if cap_buf else None)
-    if cap_buf:
-        cap_buf, scores = scores
-        return _mlp(cfg, xc, x, o, lp, inv=inv), k_cache, v_cache, cap_buf, scores
-    return _mlp(cfg, xc, x, o, lp, inv=inv), k_cache, v_cache, scores
+    o, scores = attention(inp.plan, xc, q, k_cache, v_cache, li, inp.positions,
+                          window=window, sinks=sinks, slot=slot, capture_into=carry.capture)
+    cap = carry.capture
+    if cap is not None:  # a raw capture: (its buffer, this layer's offsets)
+        cap, scores = scores
+    return o, carry.replace(k_cache=k_cache, v_cache=v_cache, capture=cap), scores
 
 
 def draft_mlp_kernel(xc: ExecConfig, lp: LayerParams, rows: int) -> bool:
@@ -172,11 +206,8 @@ def _mlp(cfg: ModelConfig, xc: ExecConfig, x, o, lp: LayerParams, draft: bool = 
     h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps, inv, xc)
     if cfg.is_moe:
         return x + _moe(cfg, h, lp, functools.partial(grouped_matmul.ragged_dot, impl=xc.moe))
-    gate_up = linear(h, lp.w_gate_up, inv, xc)  # [b, t, 2f], per shard [gate_i | up_i]
-    gate_up = gate_up.reshape(b, t, xc.tp, -1)
-    f = cfg.intermediate_size // xc.tp
-    gate = gate_up[..., :f].reshape(b, t, -1)  # [b, t, f]
-    up = gate_up[..., f:].reshape(b, t, -1)
+    gate_up = linear(h, lp.w_gate_up, inv, xc)  # [b, t, 2f]
+    gate, up = split_columns(gate_up, fused_widths(cfg)["w_gate_up"], xc.tp)  # [b, t, f]
     return x + linear(jax.nn.silu(gate) * up, lp.w_down, inv, xc)
 
 
@@ -255,7 +286,6 @@ def forward(
     plan: AttnPlan,
     logits_at=None,
     write: bool = True,
-    on_layer=None,
 ):
     """Run the model on `tokens` [b, t] at `positions` [b, t].
 
@@ -284,15 +314,13 @@ def forward(
         # a draft's sliding layers read their window as the tail (`attention`): room for it
         plan = plan.replace(tail_len=max(plan.tail_len, cfg.sliding_window))
 
-    def step(carry, lp, li):
-        *carry, sc = _layer(cfg, xc, write, plan, cos, sin, positions, rope, tuple(carry), lp,
-                            jnp.int32(li))
-        if on_layer is not None:  # fed one value of the output, so it runs after the layer
-            jax.debug.callback(on_layer, carry[0][0, 0, 0])
-        return tuple(carry), sc
+    inp = LayerInputs(plan=plan, cos=cos, sin=sin, positions=positions, rope=rope, write=write)
 
-    cap_buf = capture_start(plan, cfg, b, cache.max_len)  # a raw capture's buffer, or None
-    carry = (x, cache.k, cache.v) + (() if cap_buf is None else (cap_buf,))
+    def step(carry, lp, li):
+        return _layer(cfg, xc, inp, carry, lp, jnp.int32(li))
+
+    # a raw capture's buffer, or None
+    carry = Carry(x, cache.k, cache.v, capture_start(plan, cfg, b, cache.max_len))
     if isinstance(params.layers, tuple):
         # Per-layer weight buffers: nothing is sliced per layer (in a loop the host computes
         # each layer's weight offsets on every call).
@@ -306,11 +334,10 @@ def forward(
         cap = plan.capture
         shape = None if cap is None else cap.scores_shape(*cache.k.shape[1:4], cfg.group_size)
         carry, scores = _layer_loop(step, carry, params.layers, cfg, shape)
-    x, k_cache, v_cache, *cap_buf = carry
-    if cap_buf:  # scores: every layer's offsets [L, b, R]
+    if carry.capture is not None:  # scores: every layer's offsets [L, b, R]
         active = jnp.ones((b,), bool) if plan.active is None else plan.active
-        scores = RawCapture(cap_buf[0], scores, active)
-    x = x[:b]
+        scores = RawCapture(carry.capture, scores, active)
+    x = carry.x[:b]
     if logits_at is not None:
         x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)  # [b, 1, h]
     inv = row_invariant(xc, plan)
@@ -319,7 +346,8 @@ def forward(
         logits = linear(x, params.embed, inv, xc, transpose_w=True)
     else:
         logits = linear(x, params.lm_head, inv, xc)
-    return logits.astype(jnp.float32), cache.replace(k=k_cache, v=v_cache), scores
+    return (logits.astype(jnp.float32), cache.replace(k=carry.k_cache, v=carry.v_cache),
+            scores)
 
 
 def _layer_loop(step, carry, layers: LayerParams, cfg: ModelConfig, scores_shape):

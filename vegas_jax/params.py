@@ -135,11 +135,6 @@ def layout_params(params: Params, xc: ExecConfig, donate: bool = False) -> Param
     return unstack_layers(params, donate) if xc.layers == "unrolled" else stack_layers(params)
 
 
-def params_layer(params: Params) -> LayerParams:
-    """The first layer's weights (stacked: every layer's)."""
-    return params.layers[0] if isinstance(params.layers, tuple) else params.layers
-
-
 def map_layers(params: Params, fn) -> Params:
     """Params with `fn` applied to the layer weights: to each layer's buffers (unrolled
     layout) or once to the stacked ones."""

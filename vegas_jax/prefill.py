@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +28,6 @@ PREFILL_TOKENS = 128 * 1024  # query tokens per prefill step across the batch (a
 
 PROGRESS_TOKENS = 32 * 1024  # prompts holding this many tokens show a progress bar
 
-_bar: list = []  # the progress bar of the prefill running now, if any (`_layer_done`)
 
 def round_up(x: int, m: int) -> int:
     return -(-x // m) * m
@@ -110,20 +110,14 @@ def prefill_steps(batch: int, width: int, chunk: int, group: int) -> int:
     return -(-batch // group) if chunk == width else -(-width // chunk)
 
 
-def _layer_done(_):
-    if _bar:
-        _bar[0].update(1)
-
-
-@model_jit(static_argnames=("cfg", "xc", "capture", "chunk", "group", "progress"),
-           donate_argnames=("cache",))
 def prefill(params, cfg: ModelConfig, xc: ExecConfig, tokens, lens, cache: KVCache,
             capture: Capture | None, chunk: int | None = None, group: int | None = None,
-            progress: bool = False):
+            on_step=None):
     """Full causal attention over the (right-padded) prompts: `group` sequences at a time
     when each step holds whole prompts (from position 0: `PROMPT`, which may run cuDNN),
-    else the whole batch `chunk` query tokens at a time (a scan; each slice attends to the
-    cache the earlier ones wrote). Default: `prefill_plan` with the default budget.
+    else the whole batch `chunk` query tokens at a time (each slice attends to the cache
+    the earlier ones wrote). Default: `prefill_plan` with the default budget. One jitted
+    call a step; on_step(done, steps), if given, runs on the host as each step ends.
 
     Returns (logits of each prompt's last token [b, v], cache with lengths = lens, scores):
     with `capture` (rows 0..r-1), the last r prompt tokens' queries are run once more
@@ -132,64 +126,71 @@ def prefill(params, cfg: ModelConfig, xc: ExecConfig, tokens, lens, cache: KVCac
     alone); the cache is exactly what plain prefill leaves.
     Padding writes K/V past each prompt's end; those slots are overwritten before any
     query can see them (every query sees only positions <= its own).
-    `progress`: each layer of each step ticks the bar `prefill_prompts` shows.
     """
     b, t = tokens.shape
-    on_layer = _layer_done if progress else None
     plan_chunk, plan_group = prefill_plan(cfg, b, t)
     chunk = min(chunk or plan_chunk, t)
     group = min(group or plan_group, b) if chunk == t else b
-    at = lens - 1
-    if group < b:
-        # Groups of whole prompts; the last one starts at b - group and redoes a few rows
-        # of the one before (the same tokens, so the same K/V), so every step has one shape.
-        starts = jnp.minimum(jnp.arange(-(-b // group), dtype=jnp.int32) * group, b - group)
-        pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (group, t))
-
-        def rows_step(carry, r0):
-            k, v, last = carry
-            sub = KVCache(k=_rows(k, r0, group, 1), v=_rows(v, r0, group, 1),
-                          lengths=_rows(lens, r0, group, 0))
-            logits, sub, _ = forward(params, cfg, xc, _rows(tokens, r0, group, 0), pos, sub,
-                                     PROMPT, logits_at=_rows(at, r0, group, 0),
-                                     on_layer=on_layer)
-            k = lax.dynamic_update_slice_in_dim(k, sub.k, r0, axis=1)
-            v = lax.dynamic_update_slice_in_dim(v, sub.v, r0, axis=1)
-            return (k, v, lax.dynamic_update_slice_in_dim(last, logits[:, 0], r0, 0)), None
-
-        init = (cache.k, cache.v, jnp.zeros((b, cfg.vocab_size), jnp.float32))
-        (k, v, logits), _ = lax.scan(rows_step, init, starts)
-        cache = cache.replace(k=k, v=v)
-    else:
-        n = -(-t // chunk)
-        tokens_p = jnp.pad(tokens, ((0, 0), (0, n * chunk - t)))
-
-        def step(carry, c):
-            cache, last = carry
-            toks = lax.dynamic_slice_in_dim(tokens_p, c * chunk, chunk, axis=1)  # [b, chunk]
-            pos = c * chunk + jnp.broadcast_to(jnp.arange(chunk, dtype=jnp.int32), (b, chunk))
-            here = jnp.clip(at - c * chunk, 0, chunk - 1)
-            logits, cache, _ = forward(params, cfg, xc, toks, pos, cache,
-                                       PROMPT if n == 1 else CAUSAL, logits_at=here,
-                                       on_layer=on_layer)
-            mine = at // chunk == c  # this slice holds the prompt's last token
-            return (cache, jnp.where(mine[:, None], logits[:, 0], last)), None
-
-        init = (cache, jnp.zeros((b, cfg.vocab_size), jnp.float32))
-        if n == 1:
-            (cache, logits), _ = step(init, jnp.int32(0))
-        else:
-            (cache, logits), _ = lax.scan(step, init, jnp.arange(n, dtype=jnp.int32))
+    steps = prefill_steps(b, t, chunk, group)
+    logits = jnp.zeros((b, cfg.vocab_size), jnp.float32)
+    kv = (cache.k, cache.v)  # donated to each step (not `lens`, which the cache may hold)
+    for i in range(steps):
+        # whole prompts: the last group starts at b - group and redoes a few rows of the one
+        # before (the same tokens, so the same K/V), so every step has one shape
+        at = min(i * group, b - group) if chunk == t else i * chunk
+        logits, kv = _prefill_step(params, cfg, xc, tokens, lens, kv, logits, jnp.int32(at),
+                                   chunk, group, steps == 1)
+        if on_step is not None:
+            jax.block_until_ready(logits)
+            on_step(i + 1, steps)
     scores = None
     if capture is not None:
-        # the prompt's last len(capture.rows) tokens, oldest first; a shorter prompt
-        # repeats its first token (whose query sees position 0 only)
-        back = jnp.arange(len(capture.rows) - 1, -1, -1, dtype=at.dtype)
-        rows = jnp.maximum(at[:, None] - back[None, :], 0)  # [b, r]
-        last = jnp.take_along_axis(tokens, rows, axis=1)
-        _, cache, scores = forward(params, cfg, xc, last, rows, cache,
-                                   AttnPlan(capture=capture), write=False)
-    return logits, cache.replace(lengths=lens), scores
+        kv, scores = _prefill_capture(params, cfg, xc, tokens, lens, kv, capture)
+    return logits, KVCache(*kv, lengths=lens), scores
+
+
+@model_jit(static_argnames=("cfg", "xc", "chunk", "group", "whole"),
+           donate_argnames=("kv", "logits"))
+def _prefill_step(params, cfg: ModelConfig, xc: ExecConfig, tokens, lens, kv, logits, at,
+                  chunk: int, group: int, whole: bool):
+    """One prefill step (`prefill`): sequences at..at+group-1 whole (chunk = the prompt
+    width), or every sequence's tokens at..at+chunk-1. whole: one step does everything.
+    kv: the cache's (k, v). Returns (last-token logits [b, v], the step's prompts' set;
+    (k, v))."""
+    b, t = tokens.shape
+    last = lens - 1
+    cache = KVCache(*kv, lengths=lens)
+    if chunk == t and group < b:
+        pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (group, t))
+        sub = KVCache(k=_rows(cache.k, at, group, 1), v=_rows(cache.v, at, group, 1),
+                      lengths=_rows(lens, at, group, 0))
+        out, sub, _ = forward(params, cfg, xc, _rows(tokens, at, group, 0), pos, sub, PROMPT,
+                              logits_at=_rows(last, at, group, 0))
+        k = lax.dynamic_update_slice_in_dim(cache.k, sub.k, at, axis=1)
+        v = lax.dynamic_update_slice_in_dim(cache.v, sub.v, at, axis=1)
+        return lax.dynamic_update_slice_in_dim(logits, out[:, 0], at, 0), (k, v)
+    tokens_p = jnp.pad(tokens, ((0, 0), (0, -t % chunk)))
+    toks = lax.dynamic_slice_in_dim(tokens_p, at, chunk, axis=1)  # [b, chunk]
+    pos = at + jnp.broadcast_to(jnp.arange(chunk, dtype=jnp.int32), (b, chunk))
+    here = jnp.clip(last - at, 0, chunk - 1)
+    out, cache, _ = forward(params, cfg, xc, toks, pos, cache, PROMPT if whole else CAUSAL,
+                            logits_at=here)
+    mine = last // chunk == at // chunk  # this slice holds the prompt's last token
+    return jnp.where(mine[:, None], out[:, 0], logits), (cache.k, cache.v)
+
+
+@model_jit(static_argnames=("cfg", "xc", "capture"), donate_argnames=("kv",))
+def _prefill_capture(params, cfg: ModelConfig, xc: ExecConfig, tokens, lens, kv,
+                     capture: Capture):
+    """The first selection's scores: the prompts' last len(capture.rows) tokens, oldest
+    first, run against the prefilled cache (k, v) without writing (a shorter prompt
+    repeats its first token, whose query sees position 0 only). Returns ((k, v), scores)."""
+    back = jnp.arange(len(capture.rows) - 1, -1, -1, dtype=lens.dtype)
+    rows = jnp.maximum(lens[:, None] - 1 - back[None, :], 0)  # [b, r]
+    last = jnp.take_along_axis(tokens, rows, axis=1)
+    _, cache, scores = forward(params, cfg, xc, last, rows, KVCache(*kv, lengths=lens),
+                               AttnPlan(capture=capture), write=False)
+    return (cache.k, cache.v), scores
 
 
 @functools.partial(jax.jit, donate_argnames=("cache",))
@@ -201,7 +202,7 @@ def prefill_prompts(params, cfg, xc: ExecConfig, ids: list[list[int]], cache: KV
                     capture: Capture | None):
     """Prefill a ragged batch. Prompts are grouped by padded length so that a short prompt
     does not pay for the longest one's padding; one group uses the cache in place. Prompts
-    of PROGRESS_TOKENS or more show a progress bar (layers done) on a terminal.
+    of PROGRESS_TOKENS or more show a progress bar on a terminal (`PrefillBar`).
 
     Returns (last-token logits [b, v], cache with lengths set, scores [L, b, s] or None).
     """
@@ -211,38 +212,66 @@ def prefill_prompts(params, cfg, xc: ExecConfig, ids: list[list[int]], cache: KV
     lens = jax.device_put(np.array([len(p) for p in ids], np.int32))
     free = available_bytes()
     plans = {w: prefill_plan(cfg, len(r), w, free) for w, r in groups.items()}
-    show = sum(map(len, ids)) >= PROGRESS_TOKENS
-    if show:
-        from tqdm import tqdm
-
-        steps = sum(prefill_steps(len(r), w, *plans[w]) for w, r in groups.items())
-        _bar[:] = [tqdm(total=steps * cfg.num_layers, unit="layer", file=sys.stderr,
-                        desc=f"prefill {sum(map(len, ids))} tokens", disable=None)]
+    total = sum(map(len, ids))
+    bar = PrefillBar(total) if total >= PROGRESS_TOKENS else None
     try:
         if len(groups) == 1:
             tokens, _ = pad_prompts(ids)
-            out = prefill(params, cfg, xc, tokens, lens, cache, capture, *plans[tokens.shape[1]],
-                          progress=show)
-        else:
-            out = _prefill_groups(params, cfg, xc, ids, cache, capture, groups, plans, lens, show)
-        if show:
-            jax.block_until_ready(out)
-            jax.effects_barrier()  # every tick has run
-        return out
+            return prefill(params, cfg, xc, tokens, lens, cache, capture,
+                           *plans[tokens.shape[1]], on_step=None if bar is None else bar.group(total))
+        return _prefill_groups(params, cfg, xc, ids, cache, capture, groups, plans, lens, bar)
     finally:
-        if show:
-            _bar.pop().close()
+        if bar is not None:
+            bar.close()
 
 
-def _prefill_groups(params, cfg, xc, ids, cache, capture, groups, plans, lens, show):
+class PrefillBar:
+    """A long prefill's progress bar on stderr (when it is a terminal): prompt tokens done,
+    moved as each prefill step ends, its clock redrawn every second meanwhile (a prefill
+    of one step moves only at its end)."""
+
+    def __init__(self, total: int):
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total, unit="tok", unit_scale=True, file=sys.stderr,
+                        desc=f"prefill {total} tokens", disable=None)
+        self.start = 0
+        self.stop = threading.Event()
+        self.clock = None
+        if not getattr(self.bar, "disable", True):
+            self.clock = threading.Thread(target=self._redraw, daemon=True)
+            self.clock.start()
+
+    def _redraw(self):
+        while not self.stop.wait(1.0):
+            self.bar.refresh()
+
+    def group(self, tokens: int):
+        """on_step for a `prefill` call over the next `tokens` prompt tokens."""
+        start, self.start = self.start, self.start + tokens
+
+        def on_step(done: int, steps: int):
+            self.bar.update(start + tokens * done // steps - self.bar.n)
+        return on_step
+
+    def close(self):
+        self.stop.set()
+        if self.clock is not None:
+            self.clock.join()
+        self.bar.close()
+
+
+def _prefill_groups(params, cfg, xc, ids, cache, capture, groups, plans, lens,
+                    bar: PrefillBar | None):
     logits = [None] * len(ids)
     scores = [None] * len(ids)
     for width, rows in groups.items():
         tokens, sub_lens = pad_prompts([ids[r] for r in rows])
         r = jnp.asarray(rows)
         sub = KVCache(k=cache.k[:, r], v=cache.v[:, r], lengths=sub_lens)
+        on_step = None if bar is None else bar.group(sum(len(ids[i]) for i in rows))
         lg, sub, sc = prefill(params, cfg, xc, tokens, sub_lens, sub, capture, *plans[width],
-                              progress=show)
+                              on_step=on_step)
         cache = _put_rows(cache, sub, r)
         for j, row in enumerate(rows):
             logits[row] = lg[j]

@@ -60,6 +60,19 @@ def shard_columns(widths: tuple[int, ...], tp: int) -> np.ndarray:
     return np.concatenate(order)
 
 
+def split_columns(y, widths: tuple[int, ...], tp: int) -> list:
+    """The parts of a fused projection's output y [..., sum(widths)] whose columns are in
+    the per-shard layout: part i as [..., widths[i]] in checkpoint column order (on one
+    device, a slice; across tp shards, each shard's slice of the part, shard by shard)."""
+    lead = y.shape[:-1]
+    per = y.reshape(*lead, tp, -1)  # [..., tp, sum(widths) / tp]
+    parts, start = [], 0
+    for w in widths:
+        parts.append(per[..., start:start + w // tp].reshape(*lead, w))
+        start += w // tp
+    return parts
+
+
 def to_shard_layout(params, cfg: ModelConfig, tp: int):
     """Params with the fused projections' columns in the per-shard layout (tp = 1: as is)."""
     if tp == 1:

@@ -134,8 +134,3 @@ def load_orbax_checkpoint(
         tree["layers"] = _fuse_v1(tree["layers"], jnp.concatenate if device else np.concatenate)
     return cfg, params_from_dict(tree)
 
-
-def load_orbax_tokenizer(path: str | Path):
-    from vegas_jax.checkpoint.hf import load_hf_tokenizer
-
-    return load_hf_tokenizer(path)
