@@ -39,7 +39,7 @@ def add_model_args(p) -> None:
     p.add_argument("--checkpoint", default=None,
                    help="Hugging Face directory, orbax directory (`python -m convert`) or .gguf")
     p.add_argument("--dtype", default="auto", choices=DTYPES,
-                   help="weights and KV cache dtype (auto: bf16 on a GPU, fp32 elsewhere)")
+                   help="weights and KV cache dtype (auto: fp32 on a CPU, bf16 on a GPU)")
     p.add_argument("--max-context", type=int, default=None, metavar="N",
                    help="positions to hold; Qwen3 beyond its native 40960 switches to YaRN")
     p.add_argument("--backend", default="auto", choices=BACKENDS,
@@ -72,13 +72,12 @@ def sampling_from_args(args):
 
 
 def dtype_from_arg(name: str):
-    """"auto" = bf16 on the GPU, fp32 elsewhere."""
-    import jax
+    """--dtype: "auto" is `load_model`'s own rule (`vegas_jax.loading.default_dtype`)."""
     import jax.numpy as jnp
 
-    if name == "auto":
-        name = "bf16" if jax.default_backend() == "gpu" else "fp32"
-    return jnp.bfloat16 if name == "bf16" else jnp.float32
+    from vegas_jax.loading import default_dtype
+
+    return default_dtype() if name == "auto" else {"bf16": jnp.bfloat16, "fp32": jnp.float32}[name]
 
 
 def load_from_args(args, random_init: bool = False):
