@@ -1,8 +1,12 @@
-"""Command-line flags every command shares (decode, bench, tune), written once."""
+"""What every command (decode, bench, tune) shares, written once: flags, their help, their
+errors, and Ctrl-C."""
 
 from __future__ import annotations
 
+import argparse
 import os
+import re
+import sys
 
 DTYPES = ("auto", "bf16", "fp32")
 CACHE_ENV = "VEGAS_JAX_COMPILE_CACHE"
@@ -26,6 +30,60 @@ def enable_compile_cache(path: str | None) -> str | None:
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
     return path
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Each flag's default, once: argparse's "(default: X)" only where the help names none
+    itself and there is one to name (not None, not an off switch's False)."""
+
+    def _get_help_string(self, action):
+        if "default" in action.help or action.default in (None, False, argparse.SUPPRESS):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def flag_error(message: str, args: argparse.Namespace) -> str:
+    """An API error as the command line's user reads it: the parameters it names ("top_p
+    must be ...", "exact=True ...: use tp=1") become the flags they typed ("--top-p must be
+    ...", "--exact ...: use --tp 1"). `args`: the parsed flags (their names are the API's)."""
+    for dest in sorted(vars(args), key=len, reverse=True):
+        flag = "--" + dest.replace("_", "-")
+        message = re.sub(rf"^{dest}(?= must )", flag, message)
+        message = re.sub(rf"\b{dest}=True\b", flag, message)
+        message = re.sub(rf"\b{dest}=(?=\w)", flag + " ", message)
+    return message
+
+
+def exit_on_interrupt() -> None:
+    """From now on Ctrl-C ends the process at once, whatever it is doing (loading, compiling,
+    a background build, decoding): what it printed stays, stderr gets one line, the exit
+    code is 130. Nothing is torn down (an XLA compile in flight in another thread aborts or
+    crashes the interpreter's shutdown). Python's handler runs only between the main
+    thread's bytecodes: a thread woken through the wakeup fd acts while it waits in C++."""
+    import signal
+    import threading
+
+    once = threading.Lock()
+
+    def leave(*_):
+        once.acquire()  # a second caller waits here for the first one's exit
+        try:
+            sys.stdout.flush()
+        except Exception:  # noqa: BLE001 (interrupted inside a write of its own)
+            pass
+        os.write(2, b"\ninterrupted\n" if os.isatty(2) else b"interrupted\n")
+        os._exit(130)
+
+    def watch(fd):
+        while os.read(fd, 1) != bytes([signal.SIGINT]):
+            pass
+        leave()
+
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+    signal.signal(signal.SIGINT, leave)
+    threading.Thread(target=watch, args=(r,), name="vegas_jax ctrl-c", daemon=True).start()
 
 
 def add_model_args(p) -> None:
