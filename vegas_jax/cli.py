@@ -37,7 +37,8 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     itself and there is one to name (not None, not an off switch's False)."""
 
     def _get_help_string(self, action):
-        if "default" in action.help or action.default in (None, False, argparse.SUPPRESS):
+        if "default" in action.help or any(
+                action.default is d for d in (None, False, argparse.SUPPRESS)):
             return action.help
         return super()._get_help_string(action)
 
