@@ -66,8 +66,11 @@ def exit_on_interrupt() -> None:
 
     once = threading.Lock()
 
-    def leave(*_):
-        once.acquire()  # a second caller waits here for the first one's exit
+    def leave(*_, wait=False):
+        # the first caller exits; the main thread, second, carries on (it may hold stdout's
+        # lock, which the thread's flush waits for), the thread, second, waits for the exit
+        if not once.acquire(blocking=wait):
+            return
         try:
             sys.stdout.flush()
         except Exception:  # noqa: BLE001 (interrupted inside a write of its own)
@@ -78,7 +81,7 @@ def exit_on_interrupt() -> None:
     def watch(fd):
         while os.read(fd, 1) != bytes([signal.SIGINT]):
             pass
-        leave()
+        leave(wait=True)
 
     r, w = os.pipe()
     os.set_blocking(w, False)
