@@ -5,9 +5,9 @@ speculative decoding gave plain decoding's tokens), in under a minute."""
 import json
 import os
 import re
+import resource
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -23,17 +23,18 @@ def readme_example() -> str:
     return code
 
 
-@pytest.mark.slow  # ~25 s on a 2-core CPU: a cold process compiling both decoders
+@pytest.mark.slow  # a cold process that compiles both decoders
 def test_readme_api_example_answers_and_speculation_equals_plain_decoding(tmp_path):
     code = readme_example()
     assert "print(out.tokens == ref.tokens" in code
     probe = ("\nimport json\nprint('@@' + json.dumps({'text': out.text, 'tau': out.stats['tau'],"
              " 'equal': out.tokens == ref.tokens}))\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
-    t = time.perf_counter()
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     r = subprocess.run([sys.executable, "-c", code + probe], cwd=tmp_path, capture_output=True,
                        text=True, timeout=300, env={**env, "PYTHONPATH": str(ROOT)})
-    took = time.perf_counter() - t
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu_s = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
     assert r.returncode == 0, r.stderr[-3000:]
     shown, probe_line = r.stdout.rsplit("@@", 1)
     got = json.loads(probe_line)
@@ -42,4 +43,6 @@ def test_readme_api_example_answers_and_speculation_equals_plain_decoding(tmp_pa
         assert answer in shown
     assert got["equal"] and got["tau"] > 1
     assert shown.rstrip("\n").splitlines()[-1] == f"True {got['tau']}"
-    assert took < 60, took  # the README promises an answer on a CPU, compiles included
+    # under a minute on a CPU, compiles included: its CPU time (its wall time where the cores
+    # are its own; wall time fails where other processes share them)
+    assert cpu_s < 60, cpu_s
