@@ -78,6 +78,18 @@ def test_help_lists_every_option():
     assert "VEGAS_JAX_COMPILE_CACHE" in r.stdout
 
 
+def test_help_names_one_default_per_flag():
+    """A default the help writes itself is not followed by argparse's own, and a flag with
+    none shows no "(default: None)" or "(default: False)"."""
+    text = " ".join(decode.build_parser().format_help().split("options:")[1].split())
+    starts = [text.index(f" {a.option_strings[0]} ") for a in _options()]
+    for a, i, j in zip(_options(), starts, starts[1:] + [len(text)]):
+        entry = text[i:j]
+        assert entry.count("default") <= 1, entry
+        assert "(default: None)" not in entry and "(default: False)" not in entry, entry
+    assert "(default smollm2-135m)" in text and "(default: 128)" in text
+
+
 @pytest.mark.parametrize("flag", ["--attn-impl", "--gemm", "--layers", "--draft-attn",
                                   "--draft-row-pad", "--select-impl", "--prefill-impl",
                                   "--moe-impl", "--min-tokens", "--score", "--compile-cache",
@@ -102,17 +114,20 @@ def test_bad_choices_are_refused_by_the_parser(args, capsys):
 
 @pytest.mark.parametrize("args, message", [
     (["--model", "qwen3-8"], "unknown model 'qwen3-8'"),
-    (["--gamma", "0"], "gamma must be"),
-    (["--sparsity", "0"], "sparsity must be in (0, 1]"),
-    (["--sparsity", "1.5"], "sparsity must be in (0, 1]"),
-    (["--top-p", "0"], "top_p must be"),
+    (["--gamma", "0"], "--gamma must be a whole number >= 1"),
+    (["--sparsity", "0"], "--sparsity must be in (0, 1]"),
+    (["--sparsity", "1.5"], "--sparsity must be in (0, 1]"),
+    (["--top-p", "0"], "--top-p must be in (0, 1]"),
+    (["--top-k", "-1"], "--top-k must be a whole number >= 0"),
+    (["--min-p", "1"], "--min-p must be in [0, 1)"),
+    (["--temperature", "-1"], "--temperature must be >= 0"),
     (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
     (["--checkpoint", "/no/such/dir"], "/no/such/dir"),
     (["--model", "qwen3-8b"], "--checkpoint"),
     (["--prompt", "@/no/such/file.txt"], "prompt file not found: /no/such/file.txt"),
     (["--max-context", "9000"], "smollm2-135m supports at most 8192 positions"),
-    (["--tp", "0"], "tp must be"),
-    (["--exact", "--tp", "2"], "exact=True runs on one device"),
+    (["--tp", "0"], "--tp must be"),
+    (["--exact", "--tp", "2"], "--exact runs on one device: use --tp 1"),
 ])
 def test_bad_input_is_a_clear_error(args, message, capsys):
     rc, _, err = main(capsys, *args)
@@ -124,7 +139,7 @@ def test_bad_input_is_a_clear_error(args, message, capsys):
 @pytest.mark.parametrize("args, message", [
     (["--max-context", "8", "--prompt", "the cat sat on a mat the cat sat"],
      "exceeds tiny-qwen3's context of 8 tokens"),
-    (["--max-batch", "0"], "max_batch must be a whole number >= 1"),
+    (["--max-batch", "0"], "--max-batch must be a whole number >= 1"),
 ])
 def test_bad_input_of_a_loaded_model(ckpt, args, message, capsys):
     rc, _, err = main(capsys, "--checkpoint", ckpt, *args)
@@ -134,8 +149,9 @@ def test_bad_input_of_a_loaded_model(ckpt, args, message, capsys):
 
 def test_bad_input_as_the_user_sees_it():
     """The command itself: exit status 2, the message, no traceback."""
-    r = run("--gamma", "0")
-    assert r.returncode == 2 and "gamma must be" in r.stderr and "Traceback" not in r.stderr
+    r = run("--top-p", "0")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr == "error: --top-p must be in (0, 1], got 0.0\n"
 
 
 # ---------------------------------------------------------------------------------------
@@ -179,9 +195,10 @@ def test_json_run_on_the_default_model():
             "--method", "vegas", "--gamma", "3")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
-    res = out["results"][0]
+    res, st = out["results"][0], out["stats"]
     assert out["model"] == "smollm2-135m" and len(res["tokens"]) == 12 and res["text"]
-    assert res["prompt"].startswith("<|im_start|>")  # through the chat template
+    assert res["prompt"] == "Name three colours."  # as typed (the model got the chat template)
+    assert st["prompt_tokens"][0] > 20  # SmolLM2's template adds a system message
     st = out["stats"]
     assert st["method"] == "vegas" and st["gamma"] == 3
     assert st["tau"] == pytest.approx(1 + sum(st["acceptance_cumulative"]))
@@ -228,3 +245,29 @@ def test_compile_cache_is_written_and_reused(ckpt, tmp_path):
     assert second.returncode == 0, second.stderr
     assert set(os.listdir(cache)) == entries  # nothing new had to be compiled
     assert json.loads(second.stdout)["results"] == json.loads(first.stdout)["results"]
+
+
+# ---------------------------------------------------------------------------------------
+# Streaming: a character split across tokens
+# ---------------------------------------------------------------------------------------
+
+def test_stream_never_prints_half_a_character(smollm2_gguf, capsys):
+    """SmolLM2 spells '☃' in three byte tokens: the stream holds the first two back until the
+    third comes, and where the token limit falls between them, prints the text the result
+    carries (`decode_text` leaves the half character off too), never U+FFFD."""
+    from types import SimpleNamespace
+
+    from vegas_jax.checkpoint import gguf
+    from vegas_jax.prompts import decode_text
+
+    tok = gguf.read_tokenizer(gguf.open_gguf(smollm2_gguf))
+    ids = tok.encode("Snow ☃ falls")
+    assert len(ids) == 5 and "\ufffd" in tok.decode(ids[:3])  # the snowman takes ids 1..3
+    for n in (len(ids), 3, 2):
+        stream = decode.Streamer(tok)
+        for t in ids[:n]:
+            stream([[t]])
+        out = capsys.readouterr().out
+        assert "\ufffd" not in out
+        assert [out] == decode_text(SimpleNamespace(tokenizer=tok), [ids[:n]])
+    assert out == "Snow "

@@ -151,15 +151,15 @@ def test_tokenizer_matches_transformers(ours, theirs):
         chat, tokenize=False)
 
 
-def test_default_model_is_smollm2_bf16_without_torch():
-    """With neither a name nor a checkpoint: the embedded SmolLM2 GGUF in bf16, with its
+def test_default_model_is_smollm2_without_torch():
+    """With neither a name nor a checkpoint: the embedded SmolLM2 GGUF (fp32 on a CPU), with its
     tokenizer, and the GGUF path never imports torch (a process of its own)."""
     code = textwrap.dedent("""
         import sys
         import jax.numpy as jnp
         from vegas_jax.loading import load_model
         m = load_model()
-        assert m.config.name == "smollm2-135m" and m.params.embed.dtype == jnp.bfloat16
+        assert m.config.name == "smollm2-135m" and m.params.embed.dtype == jnp.float32
         assert m.tokenizer.encode("Hello world") == [19556, 905], m.tokenizer.encode("Hello world")
         assert m.tokenizer.decode(m.tokenizer.encode("Hello world")) == "Hello world"
         bad = sorted(k for k in sys.modules if k == "torch" or k.startswith("torch."))

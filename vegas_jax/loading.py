@@ -162,11 +162,17 @@ def _to_device(params: Params) -> Params:
     return jax.device_put(params)  # the whole tree in one call (quicker than leaf by leaf)
 
 
+def default_dtype():
+    """The dtype a model loads in unless told (`load_model`, `--dtype auto`): fp32 on a CPU,
+    bf16 on a GPU or any other accelerator."""
+    return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+
+
 def load_model(
     name: str | None = None,
     checkpoint: str | os.PathLike | None = None,
     random_init: bool = False,
-    dtype: Any = jnp.bfloat16,
+    dtype: Any = None,
     seed: int = 0,
     exec_config: ExecConfig = ExecConfig(),
 ) -> Model:
@@ -176,13 +182,16 @@ def load_model(
       config when both are given. checkpoint: HF dir, vegas_jax orbax dir, or .gguf file;
       enough on its own. Neither: the embedded default smollm2-135m.
     random_init: full-size random weights (made on device) instead of the checkpoint's.
-    dtype: bfloat16 or float32 (also "bf16", "fp32", ...).
+    dtype: bfloat16 or float32 (also "bf16", "fp32", ...); None or "auto": `default_dtype()`,
+      the rule the command line's `--dtype auto` follows too.
     exec_config: how the model runs (backend, layer loop, tensor parallel degree,
       row-invariant `exact`); "auto" fields are resolved here for this model and backend. With
       tp > 1 the weights are split across the first tp devices (`vegas_jax.sharding`).
     """
     from vegas_jax.sharding import check_tp, place_params
 
+    if dtype is None or (isinstance(dtype, str) and dtype == "auto"):
+        dtype = default_dtype()
     if random_init:
         xc = exec_config.resolve()
         m = _load(name, checkpoint, random_init, dtype, seed, xc.layers == "unrolled")

@@ -3,7 +3,7 @@ cache length a batch needs and the up-front memory check."""
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 
@@ -15,21 +15,30 @@ from vegas_jax.prefill import PROMPT_BUCKET, act_bytes, available_bytes, prefill
 LEN_BUCKET = 128  # cache lengths are rounded up to this
 
 def encode_prompts(model, prompts) -> list[list[int]]:
-    """Strings or lists of token ids -> lists of token ids, checked."""
-    if isinstance(prompts, (str, bytes)) or (
-        isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], (int, np.integer))
+    """Prompts -> lists of token ids, checked. Each prompt is one of
+      - a string: its tokens as they are (raw text: no chat template);
+      - a conversation, a list of {"role": ..., "content": ...} messages: the model's chat
+        template with the generation prompt (the assistant's turn) appended;
+      - a list of token ids.
+    """
+    if isinstance(prompts, (str, bytes, Mapping)) or (
+        isinstance(prompts, Sequence) and prompts
+        and isinstance(prompts[0], (int, np.integer, Mapping))
     ):
-        raise TypeError("prompts must be a list of prompts (strings or lists of token ids)")
+        raise TypeError("prompts must be a list of prompts (each a string, a conversation "
+                        "[{'role': ..., 'content': ...}, ...] or a list of token ids)")
     prompts = list(prompts)
     if not prompts:
         raise ValueError("empty batch: pass at least one prompt")
     out = []
     vocab = model.config.vocab_size
     for i, p in enumerate(prompts):
-        if isinstance(p, str):
+        if isinstance(p, str) or _is_conversation(p):
             if model.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass prompts as token ids")
-            ids = list(model.tokenizer.encode(p))
+            ids = list(model.tokenizer.encode(p) if isinstance(p, str) else
+                       model.tokenizer.encode(chat_text(model.tokenizer, p, i),
+                                              add_special_tokens=False))
         else:
             ids = [int(t) for t in p]
         if not ids:
@@ -39,6 +48,24 @@ def encode_prompts(model, prompts) -> list[list[int]]:
             raise ValueError(f"prompt {i} has token ids outside [0, {vocab}): {bad[:5]}")
         out.append(ids)
     return out
+
+
+def _is_conversation(p) -> bool:
+    return isinstance(p, Sequence) and bool(p) and all(isinstance(m, Mapping) for m in p)
+
+
+def chat_text(tokenizer, messages, i: int = 0) -> str:
+    """A conversation through the tokenizer's chat template, ready for the assistant's turn
+    (the template writes its own special tokens, a BOS included where the model has one)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"prompt {i} is a conversation, but this model's tokenizer has no chat "
+                         "template: pass the prompt as a string")
+    for m in messages:
+        if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise ValueError(f"prompt {i}: each message needs a string 'role' and 'content', "
+                             f"got {dict(m)!r}")
+    return tokenizer.apply_chat_template(list(messages), tokenize=False,
+                                         add_generation_prompt=True)
 
 
 def token_limits(max_new_tokens, n_prompts: int) -> np.ndarray:
@@ -112,6 +139,9 @@ def eos_ids(model) -> tuple[int, ...]:
 
 
 def decode_text(model, tokens):
+    """Each sequence's text; a character the token limit cut in two (its bytes incomplete:
+    U+FFFD) is left off the end, as the command line's stream leaves it."""
     if model.tokenizer is None:
         return None
-    return [model.tokenizer.decode(t, skip_special_tokens=True) for t in tokens]
+    return [model.tokenizer.decode(t, skip_special_tokens=True).rstrip("\ufffd")
+            for t in tokens]

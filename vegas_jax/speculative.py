@@ -249,12 +249,13 @@ def speculative_generate(
     max_batch: int | None = None,
     exec_config: ExecConfig | None = None,
 ) -> GenerationResult:
-    """Self-speculative decoding of prompts; output has the vanilla distribution
-    (greedy: the same tokens). `spec.method="vanilla"` runs plain decoding; "auto" chooses
-    gamma or plain decoding as it goes. `max_batch`: at most this many sequences at once;
-    each finished one's slot is refilled with the next prompt's prefill (results stay in
-    prompt order). `max_new_tokens`: one limit, or one per prompt. `exec_config`: how to
-    run (default: the model's)."""
+    """Self-speculative decoding of prompts (conversations of {"role", "content"} messages,
+    raw strings or token ids: `vegas_jax.prompts.encode_prompts`); output has the vanilla
+    distribution (greedy: the same tokens). `spec.method="vanilla"` runs plain decoding;
+    "auto" chooses gamma or plain decoding as it goes. `max_batch`: at most this many
+    sequences at once; each finished one's slot is refilled with the next prompt's prefill
+    (results stay in prompt order). `max_new_tokens`: one limit, or one per prompt.
+    `exec_config`: how to run (default: the model's)."""
     if not isinstance(spec, SpecConfig):
         raise TypeError("spec must be a SpecConfig")
     if not spec.method.speculative:

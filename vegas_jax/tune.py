@@ -120,13 +120,14 @@ class Tuner:
 
 def build_parser():
     from vegas_jax.bench import add_workload_args
+    from vegas_jax.cli import HelpFormatter
 
     p = argparse.ArgumentParser(
         prog="python -m vegas_jax.tune",
         description="Choose sparsity and gamma for self-speculative decoding with the "
         "paper's 3-step strategy (tau plateau over sparsity at a large gamma; gamma sweep "
         "for tokens/s; sparsity refinement). Workload flags mirror vegas_jax.bench.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=HelpFormatter)
     add_workload_args(p)  # the bench's model, workload and sampling flags
     p.add_argument("--method", default="vegas", choices=("vegas", "vegas-paper", "last", "stream", "quest"),
                    help="speculative method to tune")
