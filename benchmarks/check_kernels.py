@@ -17,7 +17,9 @@ from pallas_kernels.sparse_attention import (
     StepBlocks, rope_halves, sparse_attention, sparse_attention_reference, sparse_step,
     sparse_step_reference,
 )
-from pallas_kernels.verify_attention import verify_attention, verify_attention_reference
+from pallas_kernels.verify_attention import (
+    CaptureSpec, verify_attention, verify_attention_reference,
+)
 
 
 def rel(a, b):
@@ -98,7 +100,7 @@ def check_verify(case, key):
     q = jax.random.normal(ks[2], (b, t, kh, g, d), jnp.float32).astype(jnp.bfloat16)
     n = jax.random.randint(ks[3], (b,), s // 2, s - t)
     q_pos = n[:, None] + jnp.arange(t)
-    kw = dict(capture=capture, capture_rows=rows)
+    kw = dict(capture=None if capture == "none" else CaptureSpec(tuple(rows), capture))
     o1, s1 = jax.jit(lambda *a: verify_attention(*a, **kw))(
         q, kc, vc, jnp.int32(1), q_pos)
     o2, s2 = jax.jit(lambda *a: verify_attention_reference(*a, **kw))(q, kc, vc, jnp.int32(1), q_pos)
@@ -116,7 +118,7 @@ def check_window(case, key):
     n = jax.random.randint(ks[3], (b,), s // 2, s - t) if n0 is None else jnp.full((b,), n0)
     q_pos = n[:, None] + jnp.arange(t)
     sinks = 2 + jax.random.normal(ks[4], (kh, g), jnp.float32)
-    kw = dict(capture=capture, capture_rows=rows)
+    kw = dict(capture=None if capture == "none" else CaptureSpec(tuple(rows), capture))
     args = (q, kc, vc, jnp.int32(1), q_pos, jnp.int32(window), sinks)
     o1, s1 = jax.jit(lambda *a: verify_attention(*a[:5], window=a[5], sinks=a[6], **kw))(*args)
     o2, s2 = jax.jit(lambda *a: verify_attention_reference(*a[:5], window=a[5], sinks=a[6],

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.verify_attention import INVARIANT, VerifyBlocks, verify_attention
+from pallas_kernels.verify_attention import INVARIANT, CaptureSpec, VerifyBlocks, verify_attention
 
 CANDIDATES = [
     ("default", VerifyBlocks()),
@@ -69,9 +69,9 @@ def main():
         def run(q, kc, vc):
             def body(li, c):
                 x, acc = c
-                o, sc = verify_attention(x, kc, vc, li, pos, capture=capture,
-                                         capture_rows=(0, a.gamma), score="weight",
-                                         blocks=blocks)
+                o, sc = verify_attention(
+                    x, kc, vc, li, pos, blocks=blocks,
+                    capture=None if capture == "none" else CaptureSpec((0, a.gamma), capture))
                 acc = acc + (0.0 if sc is None else sc[:, :8].sum())
                 return x + (o * 0).astype(x.dtype), acc
             return lax.fori_loop(0, L, body, (q, jnp.float32(0)))

@@ -71,7 +71,7 @@ from pallas_kernels.sparse_attention import (
     SparseBlocks, sparse_attention, sparse_attention_reference,
 )
 from pallas_kernels.verify_attention import (
-    VerifyBlocks, verify_attention, verify_attention_reference,
+    CaptureSpec, VerifyBlocks, verify_attention, verify_attention_reference,
 )
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -134,7 +134,7 @@ q = 2.0 * jax.random.normal(ks[2], (B, T, KH, G, D), jnp.float32)
 base = jnp.array([280, 120], jnp.int32)  # x0's position per sequence
 q_pos = base[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
 layer = jnp.int32(1)
-kw = dict(capture="mean", capture_rows=(0, GAMMA), score="weight")
+kw = dict(capture=CaptureSpec(rows=(0, GAMMA), reduce="mean", score="weight"))
 
 tuning = VerifyBlocks(block_k=32, min_split=64, target_programs=4 * B * KH)
 out, scores = verify_attention(q, k_cache, v_cache, layer, q_pos, interpret=INTERPRET,
@@ -201,10 +201,10 @@ for bi in range(B):
     print(f"sequence {bi}: top-{kk} of kernel scores vs reference: "
           f"{len(a & r)}/{kk} in common")
 rows_out = verify_attention(q, k_cache, v_cache, layer, q_pos, interpret=INTERPRET,
-                            capture="rows", capture_rows=tuple(range(T)), score="logit",
+                            capture=CaptureSpec(tuple(range(T)), "rows", "logit"),
                             blocks=tuning)[1]
-rows_ref = verify_attention_reference(q, k_cache, v_cache, layer, q_pos, capture="rows",
-                                      capture_rows=tuple(range(T)), score="logit")[1]
+rows_ref = verify_attention_reference(q, k_cache, v_cache, layer, q_pos,
+                                      capture=CaptureSpec(tuple(range(T)), "rows", "logit"))[1]
 print(f"capture='rows' (all {T} rows, raw logits, as `last` needs):",
       f"shape {rows_out.shape}, relative error {rel_err(rows_out, rows_ref):.1e}")
 

@@ -187,3 +187,28 @@ def test_draft_mlp_kernel_draft_equals_the_reference(folded, monkeypatch):
     np.testing.assert_allclose(lk, lm, rtol=1e-4, atol=1e-4)
     np.testing.assert_array_equal(kk[0], km[0])
     np.testing.assert_allclose(kk, km, rtol=1e-5, atol=1e-5)
+
+
+def test_cudnn_serves_only_fresh_prompts_it_computes_alike():
+    """`causal_impl` is the one place the prefill backend is chosen: cuDNN for a fresh
+    bf16 prompt on a GPU's Pallas path, nowhere a capture, window, sinks, fp32, exact or a
+    decode-sized call needs the kernel."""
+    from types import SimpleNamespace
+
+    from vegas_jax.attention import PROMPT, causal_impl
+
+    gpu = SimpleNamespace(pallas=True, exact=False, cudnn_prefill=True, interpret=False)
+    q = jnp.zeros((1, 64, 2, 4, 16), jnp.bfloat16)
+    assert causal_impl(PROMPT, gpu, q).__name__ == "_cudnn"
+    kernel = [causal_impl(AttnPlan(), gpu, q),  # not from position 0
+              causal_impl(AttnPlan(fresh=True, capture=Capture((0,))), gpu, q),
+              causal_impl(PROMPT, gpu, q, window=jnp.int32(4)),
+              causal_impl(PROMPT, gpu, q, sinks=jnp.zeros((2, 4))),
+              causal_impl(PROMPT, gpu, q.astype(jnp.float32)),
+              causal_impl(PROMPT, gpu, q[:, :8]),  # 8 tokens x 4 heads: one decode program
+              causal_impl(PROMPT, SimpleNamespace(**{**vars(gpu), "cudnn_prefill": False}), q)]
+    assert all(f.func.__name__ == "verify_attention" for f in kernel)
+    exact = causal_impl(PROMPT, SimpleNamespace(**{**vars(gpu), "exact": True}), q)
+    assert exact.keywords["blocks"].split_keys is not None  # the row-invariant plan
+    xla = SimpleNamespace(pallas=False, exact=False, cudnn_prefill=False, interpret=True)
+    assert causal_impl(PROMPT, xla, q).__name__ == "verify_attention_reference"

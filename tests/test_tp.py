@@ -101,3 +101,17 @@ def test_tp_must_divide_the_kv_heads_and_fit_the_devices():
         check_tp(cfg, 2)  # one CPU device in this process
     with pytest.raises(ValueError, match="whole number"):
         check_tp(cfg, 0)
+
+
+def test_sharding_rules_name_specs_by_logical_axis():
+    from jax.sharding import PartitionSpec as P
+
+    from vegas_jax.sharding import AXIS, TP_RULES, ShardingRules
+
+    cache = ("layers", "batch", "kv_heads", "keys", "head_dim")
+    assert TP_RULES.spec(cache) == P(None, None, AXIS, None, None)
+    assert TP_RULES.spec(("batch", "seq", "qkv")) == P(None, None, AXIS)
+    assert TP_RULES.spec(()) == P()
+    assert ShardingRules(kv_heads=None).spec(cache) == P(None, None, None, None, None)
+    with pytest.raises(ValueError, match="unknown logical axes"):
+        TP_RULES.spec(("batch", "heads"))

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.verify_attention import (
-    VerifyBlocks, _verify_call, verify_attention, verify_attention_reference)
+    CaptureSpec, VerifyBlocks, verify_attention, verify_attention_reference)
 from tests.cuda import lower_cuda
 from tests import compiled, rand
 
@@ -44,6 +44,11 @@ def _check(out, ref, dtype, rtol_score=None):
     np.testing.assert_allclose(sc, rsc, atol=2e-3 * scale, rtol=1e-2)
 
 
+def _spec(capture, rows, score="weight"):
+    """The capture of the old (mode, rows, score) triples: "none" is no capture."""
+    return None if capture == "none" else CaptureSpec(tuple(rows), capture, score)
+
+
 def _fast_first(cases, fast, prefix):
     """pytest params of `cases`, those not indexed in `fast` in the slow tier."""
     return [pytest.param(c, id=f"{prefix}{i}", marks=() if i in fast else pytest.mark.slow)
@@ -71,7 +76,7 @@ def test_verify_matches_reference(case):
     L, b, kh, g, d, s, gamma, dtype, base, capture, rows, score = case
     q, kc, vc, q_pos = _inputs(len(base) + s, L, b, kh, g, d, s, gamma + 1, dtype, base)
     layer = jnp.int32(L - 1)
-    kw = dict(capture=capture, capture_rows=rows, score=score)
+    kw = dict(capture=_spec(capture, rows, score))
     # small blocks/splits so several key splits and blocks (and a ragged last one) run
     blocks = VerifyBlocks(block_k=16, min_split=32, target_programs=4 * b * kh)
     out = compiled.call(verify_attention, q, kc, vc, layer, q_pos, interpret=True,
@@ -99,8 +104,7 @@ def test_window_and_sinks_match_reference(case):
     b, kh, g, s, t, base, window, capture, rows, score, dtype = case
     q, kc, vc, q_pos = _inputs(s + t, 2, b, kh, g, 64, s, t, dtype, base)
     sinks = 2.0 * rand.normal(jax.random.PRNGKey(t), (kh, g), jnp.float32)
-    kw = dict(capture=capture, capture_rows=rows, score=score, sinks=sinks,
-              window=jnp.int32(window))
+    kw = dict(capture=_spec(capture, rows, score), sinks=sinks, window=jnp.int32(window))
     blocks = VerifyBlocks(block_k=16, min_split=32, target_programs=4 * b * kh, max_rows=16,
                           row_block=32)
     layer = jnp.int32(1)
@@ -109,8 +113,8 @@ def test_window_and_sinks_match_reference(case):
     ref = compiled.call(verify_attention_reference, q, kc, vc, layer, q_pos, **kw)
     _check(out, ref, dtype)
     # the sinks and the window are both felt: without them the output differs
-    plain = compiled.call(verify_attention_reference, q, kc, vc, layer, q_pos, capture=capture,
-                                       capture_rows=rows, score=score)
+    plain = compiled.call(verify_attention_reference, q, kc, vc, layer, q_pos,
+                          capture=_spec(capture, rows, score))
     assert np.abs(np.asarray(plain[0], np.float32) - np.asarray(ref[0], np.float32)).max() > 0.05
 
 
@@ -121,7 +125,7 @@ def test_prefill_query_blocks(capture, score):
     """t * g > max_rows: many query blocks, causal block skipping, single split."""
     L, b, kh, g, d, s, t = 1, 2, 2, 4, 64, 90, 37
     q, kc, vc, q_pos = _inputs(3, L, b, kh, g, d, s, t, jnp.float32, (0, 50))
-    kw = dict(capture=capture, capture_rows=(t - 1, 0), score=score)
+    kw = dict(capture=_spec(capture, (t - 1, 0), score))
     blocks = VerifyBlocks(max_rows=16, row_block=32, block_k=16)
     out = compiled.call(verify_attention, q, kc, vc, jnp.int32(0), q_pos, interpret=True,
                         blocks=blocks, **kw)
@@ -138,7 +142,7 @@ def test_capture_rows_span_query_blocks(capture, score):
 
     L, b, kh, g, d, s, t = 1, 2, 2, 3, 64, 200, 13
     q, kc, vc, q_pos = _inputs(4, L, b, kh, g, d, s, t, jnp.float32, (60, 170))
-    kw = dict(capture=capture, capture_rows=tuple(range(t)), score=score)
+    kw = dict(capture=_spec(capture, tuple(range(t)), score))
     blocks = dataclasses.replace(INVARIANT, block_k=16, split_keys=64)
     out = compiled.call(verify_attention, q, kc, vc, jnp.int32(0), q_pos, interpret=True,
                         blocks=blocks, **kw)
@@ -154,7 +158,7 @@ def test_layer_traced_in_scan():
 
     def run(fn):
         def body(c, li):
-            o, sc = fn(q, kc, vc, li, q_pos, capture="mean", capture_rows=(0, t - 1))
+            o, sc = fn(q, kc, vc, li, q_pos, capture=CaptureSpec((0, t - 1)))
             return c, (o, sc)
         return jax.jit(lambda: jax.lax.scan(body, 0, jnp.arange(L, dtype=jnp.int32))[1])()
 
@@ -175,17 +179,22 @@ def test_every_output_written(mode):
     qr = jnp.pad(q.transpose(0, 2, 1, 3, 4).reshape(b, kh, t * g, d),
                  ((0, 0), (0, 0), (0, rows - t * g), (0, 0)))  # [b, k, rows, d]
     rp = jnp.pad(jnp.repeat(q_pos, g, axis=1), ((0, 0), (0, rows - t * g)), constant_values=-1)
+    from pallas_kernels.verify_attention import (
+        StoreLogits, SumLogits, _KernelConfig, _Operands, _verify_call)
+
     qc = rpc = None
     if mode == "main":
-        cap = ("main", n_cap, rows)
+        cap = StoreLogits(n_cap, spare=rows)
     else:
         qc = jnp.pad(qr[:, :, :n_cap], ((0, 0), (0, 0), (0, crow - n_cap), (0, 0)))
         rpc = jnp.pad(rp[:, :n_cap], ((0, 0), (0, crow - n_cap)), constant_values=-1)
-        cap = ("sum", n_cap, crow, (tuple([0.5] * n_cap + [0.0] * (crow - n_cap)),))
-    o, m, l, buf = _verify_call(
-        jnp.int32(0), qr, rp, kc, vc, rows=rows, real_rows=t * g, n_splits=3, split_len=32,
-        blocks=VerifyBlocks(block_k=16, num_warps=4, num_stages=2), interpret=True,
-        out_dtype=q.dtype, normalize=False, cap=cap, qc=qc, rpc=rpc)
+        cap = SumLogits(n_cap, crow, (tuple([0.5] * n_cap + [0.0] * (crow - n_cap)),))
+    cfg = _KernelConfig(block_k=16, split_len=32, n_splits=3, s_len=s, rows=rows,
+                        real_rows=t * g, kh=kh, normalize=False, capture=cap)
+    ops = _Operands(layer=jnp.zeros((1,), jnp.int32), window=None, q=qr, rowpos=rp,
+                    k_cache=kc, v_cache=vc, qc=qc, rpc=rpc)
+    o, m, l, buf = _verify_call(ops, cfg, VerifyBlocks(block_k=16, num_warps=4, num_stages=2),
+                                interpret=True)
     for x in (o, m, l):
         assert np.isfinite(np.asarray(x)).all()
     buf = np.asarray(buf, np.float32)
@@ -205,7 +214,7 @@ def test_lowers_for_cuda(t, capture):
     L, b, kh, g, d, s = 2, 2, 8, 4, 128, 4096
     sd = jax.ShapeDtypeStruct
     txt = lower_cuda(
-        functools.partial(verify_attention, capture=capture, capture_rows=(0, t - 1)),
+        functools.partial(verify_attention, capture=_spec(capture, (0, t - 1))),
         sd((b, t, kh, g, d), jnp.bfloat16), sd((L, b, kh, s, d), jnp.bfloat16),
         sd((L, b, kh, s, d), jnp.bfloat16), sd((), jnp.int32), sd((b, t), jnp.int32))
     assert "xla.gpu.triton" in txt
@@ -219,8 +228,8 @@ def test_window_and_sinks_lower_for_cuda(t, capture, score):
     sd = jax.ShapeDtypeStruct
     txt = lower_cuda(
         lambda q, kc, vc, layer, pos, w, sk: verify_attention(
-            q, kc, vc, layer, pos, capture=capture, capture_rows=(0, t - 1), score=score,
-            window=w, sinks=sk),
+            q, kc, vc, layer, pos, capture=_spec(capture, (0, t - 1), score), window=w,
+            sinks=sk),
         sd((b, t, kh, g, d), jnp.bfloat16), sd((L, b, kh, s, d), jnp.bfloat16),
         sd((L, b, kh, s, d), jnp.bfloat16), sd((), jnp.int32), sd((b, t), jnp.int32),
         sd((), jnp.int32), sd((kh, g), jnp.float32))
@@ -245,11 +254,11 @@ def test_capture_scores_kernel_matches_reference(capture, rows, windowed):
     logits past each row's position (and before its window) and garbage in unwritten
     rows must not leak in."""
     from pallas_kernels.verify_attention import (
-        CaptureBlocks, _capture_weights, capture_scores, capture_scores_reference)
+        CaptureBlocks, _capture_weights, _CaptureRows, capture_scores, capture_scores_reference)
 
     b, kh, g, s = 3, 2, 3, 300
-    uniq = sorted(set(rows))
-    mult = [rows.count(u) / len(rows) for u in uniq]
+    crows = _CaptureRows.of(CaptureSpec(rows, capture), 1000)
+    uniq = crows.uniq
     n_cap = len(uniq) * g
     r = kh * n_cap
     ks = jax.random.split(jax.random.PRNGKey(4), 3)
@@ -259,7 +268,7 @@ def test_capture_scores_kernel_matches_reference(capture, rows, windowed):
     pos = jnp.array([[250, 253], [10, 13], [-1, -1]])[:, :len(uniq)]  # last: finished
     rowpos = jnp.tile(jnp.repeat(pos, g, axis=1), (1, kh))
     rowlo = (rowpos - 100) if windowed else None
-    w = _capture_weights(capture, kh, g, uniq, list(rows), mult)
+    w = _capture_weights(crows, capture, kh, g)
     ref = compiled.call(capture_scores_reference, cbuf, lse, rowpos, w, s, rowlo)
     blocks = CaptureBlocks(block_s=128)  # 3 programs a sequence, the last one ragged
     got = compiled.call(capture_scores, cbuf, lse, rowpos, w, s, rowlo, blocks=blocks,
@@ -283,7 +292,7 @@ def test_capture_into_a_stacked_buffer():
     L, b, kh, g, d, s, gamma = 3, 2, 2, 4, 64, 150, 4
     q, kc, vc, q_pos = _inputs(5, L, b, kh, g, d, s, gamma + 1, jnp.float32, (100, 37))
     blocks = VerifyBlocks(block_k=16, min_split=32, target_programs=4 * b * kh)
-    kw = dict(capture="mean", capture_rows=(0, gamma), interpret=True, blocks=blocks)
+    kw = dict(capture=CaptureSpec((0, gamma)), interpret=True, blocks=blocks)
     buf = capture_buffer(L, b, kh, 2 * g, s)
     assert np.isnan(np.asarray(buf, np.float32)).all()  # off the GPU: NaN until written
     offsets = []
@@ -309,8 +318,16 @@ def test_capture_into_refuses_what_it_cannot_hold():
 
     q, kc, vc, q_pos = _inputs(5, 1, 1, 2, 4, 64, 64, 3, jnp.float32, (40,))
     buf = capture_buffer(1, 1, 2, 8, 64)
-    for kw in (dict(capture="rows"), dict(capture="mean", score="logit"),
-               dict(capture="mean", window=jnp.int32(8))):
+    for kw in (dict(capture=CaptureSpec((0, 2), "rows")),
+               dict(capture=CaptureSpec((0, 2), "mean", "logit")),
+               dict(capture=CaptureSpec((0, 2)), window=jnp.int32(8)), dict(capture=None)):
         with pytest.raises(ValueError, match="capture_into"):
-            verify_attention(q, kc, vc, jnp.int32(0), q_pos, capture_rows=(0, 2),
-                             capture_into=buf, interpret=True, **kw)
+            verify_attention(q, kc, vc, jnp.int32(0), q_pos, capture_into=buf, interpret=True,
+                             **kw)
+
+
+def test_capture_spec_refuses_unknown_names():
+    with pytest.raises(ValueError, match="reduce"):
+        CaptureSpec((0,), "sum")
+    with pytest.raises(ValueError, match="score"):
+        CaptureSpec((0,), "mean", "prob")

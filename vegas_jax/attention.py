@@ -18,43 +18,31 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 from jax import lax
-from jax.sharding import PartitionSpec as P
 
 from pallas_kernels.topk import PALLAS_MAX_KEYS
 from pallas_kernels.sparse_attention import (
     sparse_attention, sparse_attention_reference, sparse_step,
 )
 from pallas_kernels.verify_attention import (
-    INVARIANT, capture_buffer, verify_attention, verify_attention_reference,
+    INVARIANT, CaptureSpec, VerifyBlocks, capture_buffer, cudnn_attention, verify_attention,
+    verify_attention_reference,
 )
-from vegas_jax.sharding import AXIS, mesh
-
-SCORES = ("weight", "logit")
+from vegas_jax.sharding import AXIS, TP_RULES, mesh
 
 
 @dataclasses.dataclass(frozen=True)
-class Capture:
-    """Which verify rows' attention becomes the next selection's scores.
+class Capture(CaptureSpec):
+    """Which verify rows' attention becomes the next selection's scores: the kernel's
+    `CaptureSpec` (rows: the forward's query rows; reduce "mean" averages them into one
+    score vector per (layer, sequence), "rows" keeps one per row, the row to use known
+    only after acceptance; score "weight" or "logit") plus
 
-    rows: query rows (token indices of the forward) whose attention is captured.
-    reduce: "mean" averages them into one score vector per (layer, sequence); "rows" keeps
-      one per row (the row to use is known only after acceptance).
-    score: "weight" = softmax weights averaged over all query heads; "logit" = raw logits.
     raw: the verify hands over the capture rows' logits, every layer's in one stacked
       buffer, with their offsets (`RawCapture`) instead of scores, and the selection
       reduces them itself in one kernel (`raw_capture` says where the kernels allow it).
     """
 
-    rows: tuple[int, ...]
-    reduce: str = "mean"
-    score: str = "weight"
     raw: bool = False
-
-    def __post_init__(self):
-        if self.reduce not in ("mean", "rows"):
-            raise ValueError(f"reduce must be 'mean' or 'rows', got {self.reduce!r}")
-        if self.score not in SCORES:
-            raise ValueError(f"score must be one of {SCORES}, got {self.score!r}")
 
     def scores_shape(self, b: int, kh: int, s: int, g: int = 1) -> tuple[int, ...]:
         """One layer's captured scores (fp32) for b sequences, kh KV heads of g query heads,
@@ -126,25 +114,65 @@ PROMPT = AttnPlan(fresh=True)
 
 
 # Tensor parallel: a Pallas kernel runs on each device's KV heads inside `shard_map` (XLA
-# cannot partition a custom call); these specs split the KV-head axis of each argument.
-HEADS5 = P(None, None, AXIS, None, None)  # q [b, t, k, g, d], caches [L, b, k, s, d]
-REP = P()
+# cannot partition a custom call). Its arguments go by name with their logical axes
+# (`sharding.ShardingRules`), never as positional spec tuples.
+Q_AXES = ("batch", "seq", "kv_heads", "group", "head_dim")  # q, out [b, t, k, g, d]
+CACHE_AXES = ("layers", "batch", "kv_heads", "keys", "head_dim")  # [L, b, k, s, d]
+SINK_AXES = ("kv_heads", "group")  # sinks [k, g]
 
 
-def index_specs(idx):
-    """Tensor-parallel specs of a sparse draft's (index lists, counts): per-KV-head lists
-    ([Li, b, k, K]) split with the heads, shared ones ([Li, b, K]) replicated."""
+def index_axes(idx) -> dict:
+    """Logical axes of a sparse draft's index lists and counts: per KV head ([Li, b, k, K],
+    [Li, b, k]) or shared by the layer's heads ([Li, b, K], [Li, b])."""
     if idx.ndim == 4:
-        return P(None, None, AXIS, None), P(None, None, AXIS)
-    return REP, REP
+        return dict(idx=("layers", "batch", "kv_heads", "selected"),
+                    count=("layers", "batch", "kv_heads"))
+    return dict(idx=("layers", "batch", "selected"), count=("layers", "batch"))
 
 
-def per_device(fn, xc, in_specs, out_specs):
-    """`fn` on each device's shard (tp > 1, Pallas path), else `fn` itself."""
+def per_device(fn, xc, args: dict, axes: dict, out_axes):
+    """fn(**args) on each device's shard (tp > 1, Pallas path), else fn(**args). args:
+    the arrays by name (None ones left out: fn's defaults); axes: each one's logical axes
+    by the same name; out_axes: the outputs' (a tuple of them; None for a None output)."""
+    args = {k: v for k, v in args.items() if v is not None}
     if xc.tp == 1 or not xc.pallas:
-        return fn
-    return jax.shard_map(fn, mesh=mesh(xc.tp), in_specs=in_specs, out_specs=out_specs,
-                         check_vma=False)
+        return fn(**args)
+    out_specs = jax.tree.map(lambda a: None if a is None else TP_RULES.spec(a), out_axes,
+                             is_leaf=lambda a: a is None or _is_axes(a))
+    return jax.shard_map(lambda a: fn(**a), mesh=mesh(xc.tp),
+                         in_specs=({k: TP_RULES.spec(axes[k]) for k in args},),
+                         out_specs=out_specs, check_vma=False)(args)
+
+
+def _is_axes(a) -> bool:
+    return isinstance(a, tuple) and all(isinstance(n, str) for n in a)
+
+
+def _cudnn(q, k_cache, v_cache, layer, q_pos, *, capture=None):
+    """`cudnn_attention` in the kernels' call shape (its rows sit at 0..t-1 whatever
+    q_pos says; it captures nothing)."""
+    del q_pos, capture
+    return cudnn_attention(q, k_cache, v_cache, layer), None
+
+
+def causal_impl(plan: AttnPlan, xc, q, window=None, sinks=None):
+    """The one place that decides how a causal plan's attention runs: a function (q,
+    k_cache, v_cache, layer, q_pos, *, capture, window, sinks, ...) -> (out, scores).
+
+    The XLA reference on the XLA backend; else the Pallas kernel (under `exact` on either
+    backend, with the row-invariant plan) or, for a fresh prompt on a GPU, cuDNN's flash
+    attention, where it computes the same: no capture, window or sinks (it has none),
+    no fp32 (nor that), not exact (no row-invariant plan), and more rows than one
+    decode-like program holds."""
+    if not (xc.pallas or xc.exact):
+        return verify_attention_reference
+    blocks = INVARIANT if xc.exact else VerifyBlocks()
+    b, t, kh, g, d = q.shape
+    if (plan.fresh and xc.cudnn_prefill and not xc.exact and plan.capture is None
+            and window is None and sinks is None and q.dtype != jnp.float32
+            and t * g > blocks.max_rows):
+        return _cudnn
+    return functools.partial(verify_attention, blocks=blocks, interpret=xc.interpret)
 
 
 def attention(plan: AttnPlan, xc, q, k_cache, v_cache, layer, positions, *, window=None,
@@ -160,76 +188,60 @@ def attention(plan: AttnPlan, xc, q, k_cache, v_cache, layer, positions, *, wind
     one). In a sparse draft a windowed layer reads its window as the tail and nothing
     selected: the window is already at most `window` reads (the caller makes the plan's
     tail that long, `model.forward`)."""
+    args = dict(q=q, k_cache=k_cache, v_cache=v_cache, layer=layer, sinks=sinks)
     if plan.mode == "causal":
-        if skips(plan, xc):  # rows at position -1 see no key: nothing is read
-            positions = jnp.where(plan.active[:, None], positions, -1)
-        cap = plan.capture
-        kw = {} if cap is None else dict(capture=cap.reduce, capture_rows=cap.rows,
-                                         score=cap.score)
-        kernel = xc.pallas or xc.exact  # exact: the row-invariant plan on either backend
-        if kernel:
-            kw["interpret"] = xc.interpret
-        if xc.exact:
-            kw["blocks"] = INVARIANT
-        if capture_into is not None:
-            return verify_attention(q, k_cache, v_cache, layer, positions, **kw,
-                                    capture_into=capture_into, sinks=sinks)
-        fn = verify_attention if kernel else verify_attention_reference
-        # cuDNN's flash attention has no fp32, windows or sinks (nor a row-invariant plan)
-        if plan.fresh and xc.cudnn_prefill and not xc.exact and cap is None \
-                and window is None and sinks is None and q.dtype != jnp.float32:
-            kw["prefill_impl"] = "cudnn"
-
-        names, extra, especs = _extras(window=window, sinks=sinks)
-
-        def local(q, k_cache, v_cache, layer, positions, *extra):
-            out, scores = fn(q, k_cache, v_cache, layer, positions, **kw,
-                             **dict(zip(names, extra)))
-            if scores is not None and xc.tp > 1 and xc.pallas:
-                scores = lax.pmean(scores, AXIS)  # every device holds as many heads
-            return out, scores
-
-        sspec = None if cap is None else REP
-        return per_device(local, xc, (HEADS5, HEADS5, HEADS5, REP, REP, *especs),
-                          (HEADS5, sspec))(q, k_cache, v_cache, layer, positions, *extra)
+        return _causal(plan, xc, args, positions, window, capture_into)
     if plan.mode == "sparse":
-        at = (layer if slot is None else slot) if plan.layered else 0
-        idx, count, tail_start = plan.idx, plan.count, plan.tail_start
-        if plan.picker is not None:
-            idx, count = plan.picker.pick(q, plan.picker_inputs, layer, tail_start)
-            idx, count, at = idx[None], count[None], 0
-        if window is not None:
-            # a sliding layer: nothing selected, its window as the tail (a full layer's
-            # window is 0 and keeps the plan's)
-            slide = window > 0
-            count = jnp.where(slide, 0, count)
-            tail_start = jnp.where(slide, jnp.maximum(positions[:, 0] - window + 1, 0),
-                                   tail_start)
-        count, tail_start = skipped(plan, xc, count, tail_start, positions)
-        fn = (functools.partial(sparse_attention, interpret=xc.interpret) if xc.pallas
-              else sparse_attention_reference)
-        ispec, cspec = index_specs(idx)
-
-        names, extra, especs = _extras(sinks=sinks)
-
-        def local(q, k_cache, v_cache, layer, idx, count, tail_start, q_pos, at, *extra):
-            return fn(q, k_cache, v_cache, layer, idx, count, tail_start, q_pos,
-                      tail_len=plan.tail_len, idx_layer=at, **dict(zip(names, extra)))
-
-        out = per_device(local, xc, (HEADS5, HEADS5, HEADS5, REP, ispec, cspec, REP, REP, REP,
-                                     *especs), HEADS5)(
-            q, k_cache, v_cache, layer, idx, count, tail_start, positions[:, 0], at, *extra)
-        return out, None
+        return _sparse(plan, xc, args, positions, window, slot), None
     raise ValueError(f"unknown attention mode {plan.mode!r}")
 
 
-def _extras(**kw):
-    """The per-layer extras given (None dropped: models without them call the kernels as
-    before) as (names, values, tensor-parallel specs): positional arguments through
-    `per_device`, keywords again inside (`dict(zip(names, values))`)."""
-    specs = {"window": REP, "sinks": P(AXIS, None)}  # sinks [k, g]: split with the KV heads
-    names = tuple(k for k, v in kw.items() if v is not None)
-    return names, [kw[k] for k in names], tuple(specs[k] for k in names)
+def _causal(plan: AttnPlan, xc, args: dict, positions, window, capture_into):
+    """`attention` of a causal plan; args: q, caches, layer and sinks by name."""
+    if skips(plan, xc):  # rows at position -1 see no key: nothing is read
+        positions = jnp.where(plan.active[:, None], positions, -1)
+    cap = plan.capture
+    fn = functools.partial(causal_impl(plan, xc, args["q"], window, args["sinks"]),
+                           capture=cap)
+    if capture_into is not None:  # a raw capture (Pallas, one device, no window)
+        return fn(**{k: v for k, v in args.items() if v is not None}, q_pos=positions,
+                  capture_into=capture_into)
+
+    def local(**kw):
+        out, scores = fn(**kw)
+        if scores is not None and xc.tp > 1 and xc.pallas:
+            scores = lax.pmean(scores, AXIS)  # every device holds as many heads
+        return out, scores
+
+    axes = dict(q=Q_AXES, k_cache=CACHE_AXES, v_cache=CACHE_AXES, layer=(),
+                q_pos=("batch", "seq"), window=(), sinks=SINK_AXES)
+    return per_device(local, xc, dict(args, q_pos=positions, window=window), axes,
+                      (Q_AXES, None if cap is None else ()))
+
+
+def _sparse(plan: AttnPlan, xc, args: dict, positions, window, slot):
+    """`attention` of a sparse draft plan; args: q, caches, layer and sinks by name."""
+    layer = args["layer"]
+    at = (layer if slot is None else slot) if plan.layered else 0
+    idx, count, tail_start = plan.idx, plan.count, plan.tail_start
+    if plan.picker is not None:
+        idx, count = plan.picker.pick(args["q"], plan.picker_inputs, layer, tail_start)
+        idx, count, at = idx[None], count[None], 0
+    if window is not None:
+        # a sliding layer: nothing selected, its window as the tail (a full layer's
+        # window is 0 and keeps the plan's)
+        slide = window > 0
+        count = jnp.where(slide, 0, count)
+        tail_start = jnp.where(slide, jnp.maximum(positions[:, 0] - window + 1, 0),
+                               tail_start)
+    count, tail_start = skipped(plan, xc, count, tail_start, positions)
+    fn = (functools.partial(sparse_attention, interpret=xc.interpret) if xc.pallas
+          else sparse_attention_reference)
+    axes = dict(q=Q_AXES, k_cache=CACHE_AXES, v_cache=CACHE_AXES, layer=(), **index_axes(idx),
+                tail_start=("batch",), q_pos=("batch",), idx_layer=(), sinks=SINK_AXES)
+    return per_device(functools.partial(fn, tail_len=plan.tail_len), xc,
+                      dict(args, idx=idx, count=count, tail_start=tail_start,
+                           q_pos=positions[:, 0], idx_layer=at), axes, Q_AXES)
 
 
 def skips(plan: AttnPlan, xc) -> bool:
@@ -266,19 +278,15 @@ def sparse_block(plan: AttnPlan, xc, cfg, qkv, q_norm, k_norm, rope, k_cache, v_
     input, when qkv projects it before the input norm's row scale (the kernel applies it).
     Returns (out [b, 1, k, g, d], k_cache, v_cache)."""
 
-    def local(qkv, q_norm, k_norm, rope, k_cache, v_cache, layer, idx, count, tail_start,
-              q_pos, at, *x):
-        return sparse_step(qkv, q_norm, k_norm, rope, k_cache, v_cache, layer, idx, count,
-                           tail_start, q_pos, tail_len=plan.tail_len,
+    fn = functools.partial(sparse_step, tail_len=plan.tail_len,
                            num_heads=cfg.num_heads // xc.tp, qk_norm=cfg.qk_norm,
-                           eps=cfg.rms_norm_eps, idx_layer=at, x=x[0] if x else None,
-                           interpret=xc.interpret)
-
-    cols = P(None, None, AXIS)
-    ispec, cspec = index_specs(plan.idx)
+                           eps=cfg.rms_norm_eps, interpret=xc.interpret)
     count, tail_start = skipped(plan, xc, plan.count, plan.tail_start, positions)
-    xs = () if x is None else (x,)
-    return per_device(local, xc, (cols, REP, REP, REP, HEADS5, HEADS5, REP, ispec, cspec, REP,
-                                  REP, REP) + (REP,) * len(xs), (HEADS5, HEADS5, HEADS5))(
-        qkv, q_norm, k_norm, rope, k_cache, v_cache, layer, plan.idx, count, tail_start,
-        positions[:, 0], layer if plan.layered else 0, *xs)
+    args = dict(qkv=qkv, q_norm=q_norm, k_norm=k_norm, rope=rope, k_cache=k_cache,
+                v_cache=v_cache, layer=layer, idx=plan.idx, count=count, tail_start=tail_start,
+                q_pos=positions[:, 0], idx_layer=layer if plan.layered else 0, x=x)
+    axes = dict(qkv=("batch", "seq", "qkv"), q_norm=("head_dim",), k_norm=("head_dim",),
+                rope=("batch", "rope", "rope"), k_cache=CACHE_AXES, v_cache=CACHE_AXES,
+                layer=(), **index_axes(plan.idx), tail_start=("batch",), q_pos=("batch",),
+                idx_layer=(), x=("batch", "hidden"))
+    return per_device(fn, xc, args, axes, (Q_AXES, CACHE_AXES, CACHE_AXES))

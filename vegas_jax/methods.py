@@ -29,9 +29,9 @@ from jax import lax
 
 from pallas_kernels.capture_select import select_from_capture
 from pallas_kernels.topk import select_topk_fast
+from pallas_kernels.verify_attention import SCORES  # noqa: F401 (`SpecConfig` takes these)
 from vegas_jax.attention import AttnPlan, Capture, RawCapture
 
-SCORES = ("weight", "logit")
 # ceil() of a product that should be a whole number can land one above it in floating
 # point (0.07 * 10000 = 700.0000000000001): forgive that much.
 _CEIL_SLACK = 1e-3

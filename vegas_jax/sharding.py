@@ -14,6 +14,7 @@ smaller model layer. With tp = 1 this is the checkpoint layout.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -123,3 +124,35 @@ def place_cache(cache, tp: int):
     kv = NamedSharding(mesh(tp), P(None, None, AXIS, None, None))
     rep = NamedSharding(mesh(tp), P())
     return jax.device_put(cache, cache.replace(k=kv, v=kv, lengths=rep))
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingRules:
+    """Logical axis -> mesh axis (None: replicated), as jax-llm-examples' `ShardingRules`:
+    a spec is written with the names of an array's axes (`spec`), never as a positional
+    tuple that must line up with an argument list. Tensor parallel splits the KV heads
+    (with their query heads, sinks and per-head index lists) and a fused projection's
+    per-shard columns (`qkv`); everything else is replicated."""
+
+    layers: str | None = None
+    batch: str | None = None
+    seq: str | None = None  # query tokens of a forward
+    kv_heads: str | None = AXIS
+    group: str | None = None  # query heads of a KV head
+    head_dim: str | None = None
+    keys: str | None = None  # cache positions
+    selected: str | None = None  # entries of a draft's index list
+    qkv: str | None = AXIS  # a fused Q/K/V projection's columns, per-shard layout
+    hidden: str | None = None
+    rope: str | None = None  # a rotary table's (cos | sin) and frequency axes
+
+    def spec(self, axes: tuple[str, ...]) -> P:
+        """The PartitionSpec of an array whose axes are named `axes` (() a scalar)."""
+        unknown = [a for a in axes if a not in self.__dataclass_fields__]
+        if unknown:
+            raise ValueError(f"unknown logical axes {unknown}; known: "
+                             f"{list(self.__dataclass_fields__)}")
+        return P(*(getattr(self, a) for a in axes))
+
+
+TP_RULES = ShardingRules()
