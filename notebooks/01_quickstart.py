@@ -137,7 +137,7 @@ print(f"{'device calls':24}{p['device_calls']:10d}{v['device_calls']:10d}")
 print(f"{'tau (tokens per round)':24}{1.0:10.2f}{v['tau']:10.2f}")
 print(f"\nspeedup {v['decode_tokens_per_s'] / p['decode_tokens_per_s']:.2f}x, "
       f"identical tokens: {vegas.tokens == plain.tokens}")
-print("acceptance by draft position:", np.round(v["acceptance_by_position"], 2))
+print("acceptance by draft position:", np.round(v["acceptance_cumulative"], 2))
 print("\n" + vegas.text[0])
 
 # %% [markdown]
@@ -218,7 +218,7 @@ sp = SamplingParams(temperature=0.6, top_p=0.95, top_k=20)
 sampled = speculative_generate(model, [prompt], max_new_tokens=N_NEW,
                                spec=SpecConfig(method="vegas"), sampling=sp, seed=0)
 print(f"tau {sampled.stats['tau']:.2f}, {sampled.stats['decode_tokens_per_s']:.1f} tokens/s")
-print("acceptance by draft position:", np.round(sampled.stats["acceptance_by_position"], 2))
+print("acceptance by draft position:", np.round(sampled.stats["acceptance_cumulative"], 2))
 print("\n" + sampled.text[0])
 
 # %% [markdown]

@@ -284,7 +284,7 @@ assert np.min(agree) >= 0.95, "the library's selection is not the top-k of its s
 # %% [markdown]
 # ## 4. Acceptance vs draft position
 #
-# Now real decoding. `speculative_generate(...).stats["acceptance_by_position"][i]` is the
+# Now real decoding. `speculative_generate(...).stats["acceptance_cumulative"][i]` is the
 # fraction of rounds in which draft `i + 1` was accepted. A draft chain is only as good as
 # its weakest early link, so these curves fall with the position; a good selection keeps
 # them high for longer. `min_tokens=16` so that the sparsity, not the floor, sets the budget
@@ -303,7 +303,7 @@ S0 = 0.05
 acc_runs = {m: run(m, S0) for m in ("vegas", "last", "stream")}
 fig, ax = plt.subplots(figsize=(6, 3.6))
 for m, st in acc_runs.items():
-    ax.plot(np.arange(1, GAMMA + 1), st["acceptance_by_position"], "o-",
+    ax.plot(np.arange(1, GAMMA + 1), st["acceptance_cumulative"], "o-",
             label=f"{m} (tau {st['tau']:.2f})")
 ax.set_xlabel("draft position")
 ax.set_ylabel("acceptance rate")

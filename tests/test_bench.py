@@ -131,9 +131,8 @@ def test_auto_is_timed_with_its_candidates_compiled(prompts_json, tiny, capsys, 
     """auto's timed run compiles nothing: a first generation of the same shapes built every
     candidate (as a fixed method's first call compiles its round, untimed), so the timed
     run builds from the caches and explores from its first calls."""
-    from vegas_jax.auto import AutoController
+    from vegas_jax.auto_choice import AutoPolicy
 
-    monkeypatch.setattr(AutoController, "BUILD_MIN_CALLS", 0)  # 16 tokens: a few calls
     warm = bench._compile_auto
 
     def compile_then_listen(*a, **k):
@@ -143,10 +142,9 @@ def test_auto_is_timed_with_its_candidates_compiled(prompts_json, tiny, capsys, 
     try:
         rc = bench.main(["--prompts-json", prompts_json, *BENCH_WORKLOAD, *SPEC,
                          "--methods", "vanilla,auto", "--profile-reps", "0", "--json"],
-                        model=tiny)
+                        model=tiny, auto_policy=AutoPolicy(build_min_calls=0))  # 16 tokens
     finally:
         _LISTEN.clear()
     assert rc == 0 and _COMPILES == []
     auto = {r["method"]: r for r in json.loads(capsys.readouterr().out)["rows"]}["auto"]
     assert auto["auto"]["build"] == "done" and auto["equal_sequences"] == 2
-    assert AutoController.BACKGROUND is None  # restored

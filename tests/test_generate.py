@@ -172,13 +172,19 @@ def test_exec_config_refuses(kw, match):
 
 
 def test_run_config_follows_the_params_layout(tiny):
-    """The layer loop a run uses is the params' layout, whatever the config says."""
+    """The layer loop a run uses is the params' layout: a per-call config that names the
+    other one is refused (the layout is set at load time); "auto" follows the params."""
     from vegas_jax.driver import exec_config
     from vegas_jax.params import layout_params
 
     assert exec_config(tiny).layers == "scan" and exec_config(tiny).backend == "xla"
     unrolled = tiny._replace(params=layout_params(tiny.params, ExecConfig(layers="unrolled")))
-    assert exec_config(unrolled, ExecConfig(layers="scan")).layers == "unrolled"
+    assert exec_config(unrolled, ExecConfig()).layers == "unrolled"
+    assert exec_config(unrolled, ExecConfig(layers="unrolled")).layers == "unrolled"
+    with pytest.raises(ValueError, match="layers='scan' differs from the params' layout"):
+        exec_config(unrolled, ExecConfig(layers="scan"))
+    with pytest.raises(ValueError, match="layers='scan' differs"):
+        generate(unrolled, PROMPTS, 2, exec_config=ExecConfig(layers="scan"))
     assert exec_config(tiny, ExecConfig(backend="pallas", exact=True)) == ExecConfig(
         backend="pallas", layers="scan", exact=True)
 
@@ -211,7 +217,7 @@ def test_unrolled_layers_equal_scan_speculative(tiny, unrolled, batch):
     a = speculative_generate(tiny, PROMPTS, NEW, spec)
     b = speculative_generate(unrolled, PROMPTS, NEW, spec)
     assert a.tokens == b.tokens == batch.tokens
-    assert a.stats["acceptance_by_position"] == b.stats["acceptance_by_position"]
+    assert a.stats["acceptance_cumulative"] == b.stats["acceptance_cumulative"]
     assert a.stats["rounds"] == b.stats["rounds"] > 0
 
 

@@ -1,13 +1,12 @@
 """Speculative decoding on tiny random models: lossless greedy and sampled output for every
 product method on the XLA path and through the Pallas kernels (interpret mode on the CPU),
-budgets, sparse reads, the selection from the verify pass itself, and auto's controller
-(exact mode: test_exact).
+budgets, sparse reads, the selection from the verify pass itself, and auto's generations
+(its controller's parts: test_auto; exact mode: test_exact).
 
 Most of the time here is XLA compiling: the greedy tests share one model, one batch of
 prompts (one prompt bucket: one prefill program per capture) and one length, and each
 (method, score, backend) runs once (`run`)."""
 
-import functools
 import itertools
 import threading
 
@@ -23,10 +22,11 @@ from tests.compiled import call
 from conftest import SPEC_EOS, SPEC_NEW
 from tests.tiny import tiny_model
 from vegas_jax import attention as attn_mod
-from vegas_jax import auto as auto_mod
+from vegas_jax import auto_build
 from vegas_jax import methods as meth
 from vegas_jax.attention import CAUSAL, AttnPlan
 from vegas_jax.auto import AutoController
+from vegas_jax.auto_choice import AutoPolicy, Config
 from vegas_jax.cache import init_cache
 from vegas_jax.driver import DecodeClock, Progress, TokenCollector, drive
 from vegas_jax.execution import ExecConfig
@@ -160,17 +160,16 @@ def test_auto_equals_vanilla_and_reports_its_choices(setup, run):
     assert auto["calls"] == {"gamma 1": auto["calls"]["gamma 1"]} and auto["compiled"] == 1
 
 
-def test_auto_builds_in_the_background_while_it_decodes(setup, run, monkeypatch):
-    """The other candidates compiled in a thread while the calls run (BUILD_MIN_CALLS 0:
+def test_auto_builds_in_the_background_while_it_decodes(setup, run):
+    """The other candidates compiled in a thread while the calls run (build_min_calls 0:
     however short the generation): lossless whichever calls ran once they were built."""
     _, _, vanilla = setup
     run("auto")  # gamma 1's round
-    monkeypatch.setattr(AutoController, "BUILD_MIN_CALLS", 0)
-    monkeypatch.setattr(AutoController, "BUILD_MIN_COVER", 0.0)
-    monkeypatch.setattr(AutoController, "BACKGROUND", True)  # also on the CPU
     model, prompts, *_ = setup
     res = speculative_generate(model, prompts, NEW, SpecConfig(method="auto", gamma=AUTO_GAMMA,
-                                                               min_tokens=8), exec_config=XLA)
+                                                               min_tokens=8), exec_config=XLA,
+                               auto_policy=AutoPolicy(build_min_calls=0, build_min_cover=0.0,
+                                                      background=True))  # also on the CPU
     _join_builds()
     assert res.tokens == vanilla.tokens
     auto = res.stats["auto"]
@@ -182,7 +181,7 @@ def test_auto_builds_in_the_background_while_it_decodes(setup, run, monkeypatch)
 def _join_builds():
     """Wait for auto's background builds (they stop once their generation has returned)."""
     for t in threading.enumerate():
-        if t.name == "vegas_jax auto build":
+        if t.name == auto_build.THREAD_NAME:
             t.join()
 
 
@@ -192,13 +191,12 @@ def test_auto_decodes_before_its_other_candidates_are_built(setup, run, monkeypa
     _, _, vanilla = setup
     run("auto")  # gamma 1's round, compiled by the unforced run
     gate = threading.Event()
-    monkeypatch.setattr(auto_mod, "compile_only", lambda run, spent: gate.wait(60))
-    monkeypatch.setattr(AutoController, "BUILD_MIN_CALLS", 0)
-    monkeypatch.setattr(AutoController, "BUILD_MIN_COVER", 0.0)
-    monkeypatch.setattr(AutoController, "BACKGROUND", True)
+    monkeypatch.setattr(auto_build, "compile_only", lambda run, spent: gate.wait(60))
     model, prompts, *_ = setup
     res = speculative_generate(model, prompts, NEW, SpecConfig(method="auto", gamma=AUTO_GAMMA,
-                                                               min_tokens=8), exec_config=XLA)
+                                                               min_tokens=8), exec_config=XLA,
+                               auto_policy=AutoPolicy(build_min_calls=0, build_min_cover=0.0,
+                                                      background=True))
     gate.set()
     _join_builds()
     assert res.tokens == vanilla.tokens
@@ -219,8 +217,8 @@ jax.monitoring.register_event_duration_secs_listener(
         and threading.current_thread() is threading.main_thread()) else None)
 
 
-def test_auto_built_before_its_second_call_explores_and_chooses(setup, run, monkeypatch):
-    """BACKGROUND = False: the first read waits for the other candidates' build (however
+def test_auto_built_before_its_second_call_explores_and_chooses(setup, run):
+    """background=False: the first read waits for the other candidates' build (however
     short the generation); the calls after it explore (gamma 1, then 3), time and choose
     as before, and stay lossless; the main thread compiles nothing (`compile_only` filled
     the caches that the calls hit) beyond what the first auto run did (the prefill and
@@ -228,13 +226,13 @@ def test_auto_built_before_its_second_call_explores_and_chooses(setup, run, monk
     _, _, vanilla = setup
     run("auto")
     _join_builds()
-    monkeypatch.setattr(AutoController, "BACKGROUND", False)
     model, prompts, *_ = setup
     _MAIN_COMPILES.clear()
     _LISTEN.set()
     try:
         res = speculative_generate(model, prompts, NEW, SpecConfig(
-            method="auto", gamma=AUTO_GAMMA, min_tokens=8), exec_config=XLA)
+            method="auto", gamma=AUTO_GAMMA, min_tokens=8), exec_config=XLA,
+            auto_policy=AutoPolicy(background=False))
     finally:
         _LISTEN.clear()
     assert res.tokens == vanilla.tokens
@@ -252,7 +250,7 @@ def test_auto_switching_gammas_and_plain_steps_stays_lossless(setup, run, monkey
     _, _, vanilla = setup
     run("auto")  # the programs, compiled by the unforced run
     order = itertools.cycle([3, 1, 0, 3, 0, 0, 1, 1, 3, 3])
-    monkeypatch.setattr(AutoController, "choose", lambda self: next(order))
+    monkeypatch.setattr(AutoController, "choose", lambda self: Config(next(order)))
     model, prompts, *_ = setup
     res = speculative_generate(model, prompts, NEW, SpecConfig(method="auto", gamma=AUTO_GAMMA,
                                                                min_tokens=8), exec_config=XLA)
@@ -271,7 +269,7 @@ def test_select_everything_accepts_every_draft(setup, method):
                                                                sparsity=1.0, min_tokens=1))
     assert res.tokens == vanilla.tokens
     assert res.stats["tau"] == pytest.approx(5.0)
-    assert res.stats["acceptance_by_position"] == [1.0] * 4
+    assert res.stats["acceptance_cumulative"] == [1.0] * 4
     assert res.stats["acceptance_conditional"] == [1.0] * 4
 
 
@@ -282,7 +280,7 @@ def test_auto_rounds_after_a_larger_gamma_see_their_own_positions(setup, monkeyp
     round's own tail (5 entries) ends before them after a gamma 6 round accepted 7."""
     model, prompts, vanilla = setup
     order = itertools.cycle([6, 2])
-    monkeypatch.setattr(AutoController, "choose", lambda self: next(order))
+    monkeypatch.setattr(AutoController, "choose", lambda self: Config(next(order)))
     res = speculative_generate(model, prompts, NEW, SpecConfig(method=Auto(gammas=(2, 6)),
                                                                gamma=6, sparsity=1.0,
                                                                min_tokens=1))
@@ -625,410 +623,3 @@ def test_drive_keeps_one_call_in_flight():
     drive(step, 0, col, DecodeClock(col))
     assert events[:4] == [("dispatch", 0), ("dispatch", 1), ("read", 0), ("dispatch", 2)]
     assert events[-1] == ("read", 2)
-
-
-# ---------------------------------------------------------------------------------------
-# auto's controller (vegas_jax.auto), on fake clocks
-# ---------------------------------------------------------------------------------------
-
-def test_auto_candidates():
-    assert Auto().candidates(6) == (4, 6, 8)
-    assert Auto().candidates(1) == (1, 3)
-    assert Auto(gammas=(2, 9)).candidates(4) == (2, 4, 9)
-    ctl = AutoController(SpecConfig(method="auto", gamma=6))
-    assert ctl.gammas == [4, 6, 8] and ctl.spec.method.gammas == (4, 6, 8)
-    # every round's tail holds what the largest candidate's round may leave
-    assert ctl.spec.method.tail_len(ctl.spec, 1024) == 2 * 8 + 1
-
-
-def test_auto_cost_line_follows_the_active_count():
-    """The batch's tail: gamma 4 / 6 / 8 timed with the whole batch (64 sequences), then
-    gamma 8 alone with 10 left. Each configuration's median then says gamma 8 (10.5 ms,
-    mostly tail calls) is cheaper than gamma 6 (12.3 ms, whole-batch calls); the line in
-    the active count gives each gamma's time with 10 sequences, and gamma 6 wins there
-    where gamma 8 wins with the whole batch."""
-    cost = lambda g, n: 0.0025 + 0.0009 * g + 0.00006 * n  # noqa: E731  (s)
-    ctl = AutoController(SpecConfig(method=Auto(gammas=(4, 6, 8)), gamma=6))
-    ctl.queue = []
-    for g in (4, 6, 8):
-        ctl.times[g] = [cost(g, 64)] * 3
-        ctl.times_n[g] = [64] * 3
-    # acceptance 0.9 a position: tau(6) = 5.22, tau(8) = 6.13 (+17 %)
-    ctl.trials[1:9] += 100
-    ctl.hits[1:9] += 90
-    ctl.n_active = 64
-    assert ctl.round_time(6) == pytest.approx(cost(6, 64))  # no spread: the old line
-    assert max(ctl.rates(), key=ctl.rates().get) == 8  # 6.13 / 13.5 ms vs 5.22 / 11.7
-    ctl.times[8] += [cost(8, 10)] * 5
-    ctl.times_n[8] += [10] * 5
-    ctl.n_active = 10
-    assert ctl.call_time(8) < ctl.call_time(6)  # the medians mislead
-    assert ctl._active_line() == pytest.approx((0.0025, 0.0009, 0.00006), rel=1e-6)
-    assert ctl.round_time(6) == pytest.approx(cost(6, 10))
-    assert ctl.round_time(8) == pytest.approx(cost(8, 10))
-    assert max(ctl.rates(), key=ctl.rates().get) == 6  # 5.22 / 8.5 ms vs 6.13 / 10.3
-    assert ctl.stats()["active_line_ms"] == pytest.approx([2.5, 0.9, 0.06], rel=1e-6)
-    # counts not known (calls timed before this version, or plain steps): the old line
-    for g in (4, 6, 8):
-        ctl.times_n[g] = [None] * len(ctl.times[g])
-    assert ctl._active_line() is None
-
-
-def test_auto_cost_model():
-    """tau from conditional acceptance, time from a line through the measured rounds, and
-    the choice of the configuration with the most tokens per second."""
-    ctl = AutoController(SpecConfig(method=Auto(gammas=(2, 4, 6, 8)), gamma=4))
-    ctl.queue = []
-    for a in (4, 4, 2, 3):  # accepted counts of 4 sequence-rounds at gamma 4
-        ctl.trials[1:5] += [1, 1, 1, a >= 3]
-        ctl.hits[1:5] += [a >= 1, a >= 2, a >= 3, a >= 4]
-    # alpha = 1, 1, 3/4, 2/3 -> tau(4) = 1 + 1 + 1 + .75 + .5 ; beyond: alpha 2/3 repeats
-    assert ctl.tau(4) == pytest.approx(4.25)
-    assert ctl.tau(5) == pytest.approx(4.25 + 0.5 * 2 / 3)
-    ctl.times[4] = [0.010] * 3
-    ctl.times[8] = [0.014] * 3
-    assert ctl.round_time(6) == pytest.approx(0.012)
-    ctl.times[0] = [0.001 * 8] * 3  # a plain step 1 ms: 1000 tokens/s
-    rates = ctl.rates()
-    assert rates[0] == pytest.approx(1000)
-    assert rates[4] == pytest.approx(425)
-    assert rates[2] == pytest.approx(3 / 0.008)  # t(2) = 6 ms + 2 x 1 ms
-    assert ctl.choose() == 0
-    ctl.times[0] = [0.004 * 8] * 3  # a plain step 4 ms: 250 tokens/s, rounds win
-    ctl.calls[4] = 1  # not a re-probe call
-    assert ctl.choose() == 4  # the most tokens per second: tau 4.25 in 10 ms
-    ctl.calls[4] = ctl.REPROBE  # every REPROBE calls the runner-up (gamma 6, 400/s) once
-    assert ctl.choose() == 6 and ctl.queue == []
-    ctl.times[0] = [0.0023 * 8] * 3  # plain steps best (435/s), gamma 4 (425/s) runner-up:
-    assert ctl.choose() == 4 and ctl.queue == [4]  # two rounds, the first one's is stale
-
-
-def test_auto_drops_rounds_that_cannot_win():
-    """Plain steps of 1 ms against a 10 ms round at gamma 4: even tau = 5 loses, so the
-    rounds still queued for exploration are dropped."""
-    ctl = AutoController(SpecConfig(method=Auto(gammas=(4,)), gamma=4))
-    assert ctl.queue == [4, 4, 4, 4]  # one gamma: no second one to fit a line with
-    ctl.queue = [4, 4]
-    ctl.times[0] = [0.008] * 2
-    ctl.times[4] = [0.010]
-    assert ctl.choose() == 0 and ctl.queue == []
-
-
-def _drive_auto(ctl, cost, n_acc, calls, now):
-    """Drive `ctl` like `drive` (one call in flight) with a fake clock: a call of
-    configuration c takes cost[c] of device time; every round accepts n_acc."""
-    ctl.runners = {c: (lambda st, c=c: (st, c)) for c in cost}
-    flight = []
-
-    def dispatch():
-        c = ctl.choose()
-        ctl.run(c, None)
-        flight.append(c)
-
-    dispatch()
-    for _ in range(calls):
-        dispatch()
-        c = flight.pop(0)
-        now[0] += cost[c]
-        ctl.read(None if c == 0 else np.array([min(n_acc, c)]), np.array([True]))
-
-
-def _fake_clock(monkeypatch, now):
-    from vegas_jax import auto as auto_mod
-
-    monkeypatch.setattr(auto_mod.time, "perf_counter", lambda: now[0])
-
-
-@pytest.mark.parametrize("plain_step,draft,n_acc,plain", [
-    (0.005, 0.0011, 8, False),  # B 64-like: verify ~ a step, cheap drafts: never plain
-    (0.0012, 0.0011, 1, True),  # B 1-like: launch-bound drafts, few accepted: plain wins
-])
-def test_auto_explores_rounds_first_and_plain_steps_only_where_they_can_win(
-        monkeypatch, plain_step, draft, n_acc, plain):
-    """auto starts with rounds of two gammas (the line's slope); plain steps (8 a call)
-    are tried only when the rounds' intercept says they could win, and then chosen only if
-    they do."""
-    now = [0.0]
-    _fake_clock(monkeypatch, now)
-    ctl = AutoController(SpecConfig(method=Auto(gammas=(4, 6, 8)), gamma=6))
-    assert ctl.queue == [6, 6, 6, 6, 4, 4, 4]
-    verify = 1.3 * plain_step  # a verify reads what a step reads, and captures
-    cost = {0: 8 * plain_step, **{g: verify + g * draft for g in (4, 6, 8)}}
-    _drive_auto(ctl, cost, n_acc, 40, now)
-    assert (ctl.calls[0] > 0) == plain
-    if plain:
-        assert ctl.choose() == 0
-    else:  # every draft accepted: 5 / 10.9 ms, 7 / 13.1 ms, 9 / 15.3 ms: gamma 8 wins
-        assert ctl.choose() == 8
-
-
-def test_auto_does_not_time_first_dispatches(monkeypatch):
-    """The interval in which an executable is dispatched for the first time (its kernels
-    load on the host) is not counted: driven like `drive` (one call in flight) with a fake
-    clock where a plain call takes 8 ms, a round 1.6-1.8 ms (nothing accepted: plain
-    steps get probed) and a first dispatch 30 ms more, every interval the controller
-    keeps is a call's own time."""
-    now = [0.0]
-    _fake_clock(monkeypatch, now)
-    ctl = AutoController(SpecConfig(method=Auto(gammas=(2, 4)), gamma=4))
-    cost = {0: 0.008, 2: 0.0016, 4: 0.0018}
-    ctl.runners = {c: (lambda st, c=c: (st, c)) for c in cost}
-
-    def dispatch():
-        c = ctl.choose()
-        if ctl.calls[c] == 0:
-            now[0] += 0.030  # loading the executable's kernels
-        ctl.run(c, None)
-        return c
-
-    flight = [dispatch()]
-    for _ in range(30):
-        flight.append(dispatch())
-        now[0] += cost[flight.pop(0)]  # the earlier call's device time
-        ctl.read(np.array([0]), np.array([True]))
-    assert ctl.times[0] and ctl.times[2] and ctl.times[4]
-    for c, ts in ctl.times.items():
-        assert ts == pytest.approx([cost[c]] * len(ts)), (c, ts)
-
-
-def test_auto_times_a_call_only_when_the_host_waited_at_both_ends():
-    """A read that found its output ready (the host was late) may have let the next call
-    start before it: the interval that read opens is not the call's device time, and is
-    kept apart (used only while a configuration has no other)."""
-    ctl = AutoController(SpecConfig(method=Auto(gammas=(4,)), gamma=4))
-    ctl.runners = {c: (lambda st: (st, None)) for c in (0, 4)}
-    reads = [(0, 0.0, 1e-3), (0, 0.008, 1e-3),  # waited: 8 ms, the device's time
-             (0, 0.020, 0.0), (0, 0.024, 1e-3),  # ready on arrival: the next interval is short
-             (4, 0.034, 0.0), (4, 0.040, 0.0)]  # host-bound rounds (the first one's
-    # interval holds its first dispatch: not counted)
-    for c, at, wait in reads:
-        ctl.run(c, None)
-        ctl.read(None if c == 0 else np.array([4]), np.array([True]), at, wait)
-    assert ctl.times[0] == pytest.approx([0.008]) and ctl.loose[0] == pytest.approx([0.012, 0.004])
-    assert ctl.call_time(0) == pytest.approx(0.008)
-    assert not ctl.times[4] and ctl.call_time(4) == pytest.approx(0.006)
-    assert ctl.stats()["timed_calls"] == {"vanilla": [1, 2], "gamma 4": [0, 1]}
-
-
-def test_auto_ignores_acceptance_of_a_round_after_plain_steps():
-    """The first round after plain steps drafts from a selection older than those steps;
-    its acceptance (here none) must not drag the estimate of the rounds that follow (here
-    all accepted): tau(4) stays 5 (the old code counted it: 3)."""
-    ctl = AutoController(SpecConfig(method=Auto(gammas=(4,)), gamma=4))
-    ctl.runners = {c: (lambda st: (st, None)) for c in (0, 4)}
-    for c, n_acc in ((0, None), (4, np.array([0])), (4, np.array([4]))):
-        ctl.run(c, None)
-        ctl.read(n_acc, np.array([True]))
-    assert ctl.tau(4) == pytest.approx(5.0)
-
-
-def test_auto_builds_the_other_candidates_after_its_first_call():
-    """`prepare` makes every runner and builds none; the first read starts a thread that
-    compiles the others on the state the first call donated, the second gamma explored
-    first and plain steps last; `choose` keeps the configured gamma until the build is
-    over. Too few calls left at the first read: nothing built, the configured gamma
-    throughout. A state with no donated buffer: no thread, each candidate is compiled by
-    its first call."""
-    spent = jnp.ones(2)
-    jax.jit(lambda x: x, donate_argnums=0)(spent)  # spent now holds a donated buffer
-    ctl = AutoController(SpecConfig(method=Auto(gammas=(2, 4, 6)), gamma=4))
-    made, built = [], []
-    ctl.prepare(lambda c: made.append(c) or (lambda st: (st, c)))
-    assert made == [0, 2, 4, 6] and ctl.pending == [2, 6, 0] and ctl.build == "pending"
-    assert ctl.choose() == 4 and ctl.queue[0] == 4  # the queue waits for the build
-    gate = threading.Event()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(auto_mod, "compile_only", lambda run, spent: (
-            gate.wait(60), built.append((run(None)[1], spent))))
-        mp.setattr(AutoController, "BACKGROUND", True)
-        ctl.run(ctl.choose(), spent)
-        assert ctl.spent is spent and ctl.build == "pending"
-        ctl.read(np.array([4]), np.array([True]))  # prompts waiting (remaining None)
-        assert ctl.pending == [] and ctl.build == "running" and ctl.choose() == 4
-        gate.set()
-        _join_builds()
-    assert built == [(2, spent), (6, spent), (0, spent)] and ctl.ready == {0, 2, 4, 6}
-    assert ctl.build == "done" and ctl.built_at is not None and ctl.compile_s >= 0
-    ctl.run(ctl.choose(), None)  # the first dispatch after the build: every buffer dropped
-    assert ctl.warm == {4} and ctl.built_after_calls == 1
-    # BACKGROUND None on a CPU device (these tests'): the first read waits for the build
-    ctl = AutoController(SpecConfig(method=Auto(gammas=(2, 4)), gamma=4))
-    ctl.prepare(lambda c: (lambda st: (st, c)))
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(auto_mod, "compile_only", lambda run, spent: built.append(run(None)[1]))
-        ctl.run(ctl.choose(), spent)
-        ctl.read(np.array([4]), np.array([True]))
-    assert ctl.build == "done" and ctl.background is False and built[-2:] == [2, 0]
-    # 20 tokens left at tau 5 (every draft accepted): 4 calls, fewer than BUILD_MIN_CALLS
-    ctl = AutoController(SpecConfig(method=Auto(gammas=(2, 4)), gamma=4))
-    ctl.prepare(lambda c: (lambda st: (st, c)))
-    ctl.run(ctl.choose(), spent)
-    ctl.read(np.array([4]), np.array([True]), remaining=np.array([20]))
-    assert ctl.build == "skipped" and ctl.pending == [] and ctl.built_at is None
-    assert ctl.choose() == 4
-    # in the background: 1000 calls left (5000 tokens at tau 5) of 10 ms = 10 s do not
-    # outlast two candidates built 6 s each (the first call's dispatch, its compile)
-    for remaining, build in ((5000, "skipped"), (10000, "running")):
-        ctl = AutoController(SpecConfig(method=Auto(gammas=(2, 4)), gamma=4))
-        ctl.prepare(lambda c: (lambda st: (st, c)))
-        with pytest.MonkeyPatch.context() as mp:
-            gate = threading.Event()
-            mp.setattr(auto_mod, "compile_only", lambda run, spent: gate.wait(60))
-            mp.setattr(AutoController, "BACKGROUND", True)
-            ctl.run(ctl.choose(), spent)
-            ctl.in_flight[0] = (4, 6.0)
-            ctl.read(np.array([4]), np.array([True]), wait_s=0.01,
-                     remaining=np.array([remaining]))
-            assert ctl.build == build and ctl.pending == []
-            gate.set()
-            _join_builds()
-    # no donated buffer (a runner that does not donate): built by first calls instead
-    ctl = AutoController(SpecConfig(method=Auto(gammas=(2, 4)), gamma=4))
-    ctl.prepare(lambda c: (lambda st: (st, c)))
-    ctl.run(ctl.choose(), jnp.ones(2))
-    ctl.read(np.array([4]), np.array([True]))
-    assert not any(t.name == "vegas_jax auto build" for t in threading.enumerate())
-    assert ctl.build == "done" and ctl.built_at is not None and ctl.ready == {4}
-
-
-def test_compile_only_compiles_what_a_later_call_runs(caplog):
-    """`compile_only` on a donated state compiles the call and runs nothing; the later
-    call of the same shapes compiles nothing."""
-    from vegas_jax.auto import compile_only
-
-    f = jax.jit(lambda s, k: s * k + 1, static_argnums=1, donate_argnums=0)
-    spent = jnp.ones(4)
-    live = f(spent, 2)  # spent: donated
-    with jax.log_compiles(), caplog.at_level("WARNING"):
-        compile_only(lambda s: f(s, 3), spent)
-        compiled = [r for r in caplog.records if "Compiling" in r.getMessage()]
-        caplog.clear()
-        out = f(live, 3)
-        assert not [r for r in caplog.records if "Compiling" in r.getMessage()]
-    assert len(compiled) == 1
-    np.testing.assert_array_equal(out, 3 * 3.0 + 1)
-
-
-def test_auto_times_nothing_while_its_candidates_are_built(monkeypatch):
-    """Driven like `drive` on a fake clock while the build runs (here until call 10):
-    every call is the configured gamma and none is timed, though acceptance is counted;
-    once built, each configuration's first dispatch (which stalls the host 30 ms: its
-    command buffer recorded) is not timed either, every interval kept is a call's own
-    time, and the exploration that follows finds the best gamma (every draft accepted:
-    gamma 8)."""
-    now = [0.0]
-    _fake_clock(monkeypatch, now)
-    ctl = AutoController(SpecConfig(method=Auto(gammas=(4, 6, 8)), gamma=6))
-    cost = {0: 8 * 0.005, 4: 0.0065 + 4 * 0.0011, 6: 0.0065 + 6 * 0.0011,
-            8: 0.0065 + 8 * 0.0011}
-    ctl.runners = {c: (lambda st, c=c: (st, c)) for c in cost}
-    ctl.ready = set(cost)
-    ctl.built_at, ctl.build_seen = None, False  # a build under way
-    flight = []
-
-    def dispatch():
-        c = ctl.choose()
-        if c not in ctl.warm:
-            now[0] += 0.030
-        ctl.run(c, None)
-        flight.append(c)
-
-    dispatch()
-    for i in range(40):
-        if i == 10:
-            ctl.built_at = now[0]
-        dispatch()
-        c = flight.pop(0)
-        now[0] += cost[c]
-        ctl.read(np.array([c]), np.array([True]))
-        if i < 10:
-            assert not ctl.times and not ctl.loose and set(ctl.calls) == {6}
-    assert ctl.trials[1] >= 10 and ctl.built_after_calls == 11
-    for c, ts in ctl.times.items():
-        assert ts == pytest.approx([cost[c]] * len(ts)), (c, ts)
-    assert ctl.times[6] and ctl.times[4] and ctl.choose() == 8
-
-
-def test_auto_estimates_tau_from_the_sequences_still_decoding():
-    """Two of four sequences accept everything, two nothing. While all four decode,
-    tau(4) pools them (1 + 0.5 + 0.25 + ...); once the good two have finished, it is the
-    remaining two's (1.0: a batch of fixed-length outputs waits on them). A slot that
-    comes back (refilled with a new prompt) starts its counts over."""
-    ctl = AutoController(SpecConfig(method=Auto(gammas=(4,)), gamma=4))
-    ctl.runners = {c: (lambda st: (st, None)) for c in (0, 4)}
-    both = np.array([4, 4, 0, 0])
-    for active in ([True] * 4, [True] * 4, [False, False, True, True]):
-        ctl.run(4, None)
-        ctl.read(both, np.array(active))
-        if all(active):
-            pooled = ctl.tau(4)
-    assert pooled == pytest.approx(1 + 0.5 * 4)  # alpha_1 = 1/2, then 1 given reached
-    assert ctl.tau(4) == pytest.approx(1.0)
-    ctl.run(4, None)
-    ctl.read(np.array([4, 4, 0, 0]), np.array([True, False, True, False]))
-    # slot 0 is back with a new prompt: its earlier four-of-four no longer counts
-    assert ctl.slot_trials[0, 1] == 1 and ctl.slot_trials[2, 1] == 4
-
-
-def test_auto_does_not_time_a_read_that_a_stalled_dispatch_delayed(monkeypatch):
-    """On the H200 a warm candidate's first dispatch could still hold the host 15 ms
-    (a command buffer recorded) while the call in flight ran 11 ms: the read after it
-    found the device idle, yet waited ~0.8 ms for the copy of the output. Simulated like
-    `drive` (dispatch k + 1, then read k): every interval the controller keeps as the
-    device's time is a call's own time, and plain steps (3.6 ms a step, rounds' line
-    through 4 ms) are never probed."""
-    host = [0.0]
-    _fake_clock(monkeypatch, host)
-    ctl = AutoController(SpecConfig(method=Auto(gammas=(4, 6, 8)), gamma=6))
-    cost = {0: 8 * 0.0036, 4: 0.0087, 6: 0.0112, 8: 0.0137}
-
-    def runner(st, c):  # a configuration's first dispatch holds the host 15 ms, later ones 1
-        host[0] += 0.015 if ctl.calls[c] == 1 else 0.001
-        return st, c
-
-    ctl.runners = {c: functools.partial(runner, c=c) for c in cost}
-    ctl.ready = ctl.warm = set(cost)
-    free = [0.0]  # when the device finishes the calls queued so far
-    flight = []
-
-    def dispatch():
-        c = ctl.choose()
-        ctl.run(c, None)
-        free[0] = max(free[0], host[0]) + cost[c]
-        flight.append((c, free[0]))
-
-    dispatch()
-    for _ in range(40):
-        dispatch()
-        c, end = flight.pop(0)
-        wait = max(0.0, end - host[0]) + 0.0008  # the output's copy
-        host[0] = max(host[0], end) + 0.0008
-        ctl.read(None if c == 0 else np.array([c - 1]), np.array([True]), host[0], wait)
-    for c, ts in ctl.times.items():
-        assert ts == pytest.approx([cost[c]] * len(ts), abs=1e-9), (c, ts)
-    assert ctl.calls[0] == 0
-
-
-def test_auto_finish_tau_follows_the_slowest_sequence():
-    """Two of four sequences accept every draft, two none. With no prompt waiting, the
-    batch ends with the slow two: finish_tau(4) is theirs (1, up to the shrinkage toward
-    the batch's acceptance), not the pooled 1 + 0.5 * 4; with prompts waiting
-    (remaining None) it is the pooled mean; once the slow two are done, the fast two's."""
-    ctl = AutoController(SpecConfig(method=Auto(gammas=(4,)), gamma=4))
-    ctl.runners = {4: (lambda st: (st, None))}
-    acc = np.array([4, 4, 0, 0])
-    for _ in range(200):
-        ctl.run(4, None)
-        ctl.read(acc, np.ones(4, bool), remaining=np.array([100, 100, 100, 100]))
-    assert ctl.tau(4) == pytest.approx(3.0)
-    assert 1.0 < ctl.finish_tau(4) < 1.2  # 1 + 4 x 8 / 216: 16 pseudo-trials at 0.5
-    ctl.run(4, None)
-    ctl.read(acc, np.ones(4, bool), remaining=None)
-    assert ctl.finish_tau(4) == pytest.approx(3.0, rel=1e-2)
-    ctl.run(4, None)  # the slow two need 10x fewer tokens than the fast two: the fast
-    # two finish last (250 tokens at tau 5 against 25 at tau ~1)
-    ctl.read(acc, np.ones(4, bool), remaining=np.array([250, 250, 25, 25]))
-    assert ctl.finish_tau(4) == pytest.approx(5.0, rel=4e-2)  # shrunk: 1 + 4 x 208 / 216
-    ctl.run(4, None)
-    ctl.read(acc, np.ones(4, bool), remaining=np.array([100, 100, 0, 0]))
-    assert ctl.finish_tau(4) == pytest.approx(5.0, rel=4e-2)  # shrunk: 1 + 4 x 208 / 216

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from vegas_jax.auto_choice import AutoPolicy
 from vegas_jax.cache import KVCache
 from vegas_jax.cli import (
     HelpFormatter, add_model_args, add_sampling_args, dtype_from_arg, flag_error, load_from_args,
@@ -405,23 +406,19 @@ def _workload(model, args):
     return [ids[i % len(ids)] for i in range(args.batch)]
 
 
-def _compile_auto(model, prompts, new_tokens, spec, sampling, seed):
+def _compile_auto(model, prompts, args, spec, sampling, policy: AutoPolicy):
     """auto's every candidate compiled before its timed run, as a fixed method's round is
     by its first call (which tokens/s leaves out): one generation of the same shapes whose
-    first read waits for the build (`AutoController.BACKGROUND = False`). The timed run then
+    first read waits for the build (`policy` with background=False). The timed run then
     builds from the caches at once and explores from its first calls."""
-    from vegas_jax.auto import AutoController
     from vegas_jax.speculative import speculative_generate
 
-    before, AutoController.BACKGROUND = AutoController.BACKGROUND, False
-    try:
-        speculative_generate(model, prompts, new_tokens, spec, sampling, seed=seed)
-    finally:
-        AutoController.BACKGROUND = before
+    speculative_generate(model, prompts, args.new_tokens, spec, sampling, seed=args.seed,
+                         auto_policy=dataclasses.replace(policy, background=False))
 
 
-def run(args, model=None) -> list[dict]:
-    """The rows of the table. `model` (tests) replaces loading --model / --checkpoint."""
+def run(args, model=None, auto_policy: AutoPolicy = AutoPolicy()) -> list[dict]:
+    """The rows of the table. `model`, `auto_policy` (tests): the model, auto's settings."""
     from tqdm import tqdm
 
     from vegas_jax.speculative import speculative_generate
@@ -465,13 +462,13 @@ def run(args, model=None) -> list[dict]:
             row["sparsity"] = s
         if not profile_only:
             if m == "auto":
-                _compile_auto(model, prompts, args.new_tokens, spec, sampling, args.seed)
+                _compile_auto(model, prompts, args, spec, sampling, auto_policy)
             res = speculative_generate(model, prompts, args.new_tokens,
                                        dataclasses.replace(spec, method=m), sampling,
-                                       seed=args.seed)
+                                       seed=args.seed, auto_policy=auto_policy)
             st = res.stats
             row.update(tok_s=st["decode_tokens_per_s"], tau=st["tau"],
-                       acceptance=st["acceptance_by_position"], rounds=st["rounds"],
+                       acceptance=st["acceptance_cumulative"], rounds=st["rounds"],
                        prefill_s=st["prefill_s"], backend=st["backend"],
                        ms_per_call=st["ms_per_call"], host_ms_per_call=st["host_ms_per_call"],
                        wait_ms_per_call=st["wait_ms_per_call"],
@@ -559,10 +556,10 @@ def format_table(rows, gamma) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None, model=None) -> int:
+def main(argv=None, model=None, auto_policy: AutoPolicy = AutoPolicy()) -> int:
     args = build_parser().parse_args(argv)
     try:
-        rows = run(args, model)
+        rows = run(args, model, auto_policy)
     except (ValueError, TypeError, FileNotFoundError, MemoryError) as e:
         print(f"error: {flag_error(str(e), args)}", file=sys.stderr)
         return 2

@@ -6,7 +6,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import Any, Callable, NamedTuple, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, NamedTuple, Protocol, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -19,9 +20,9 @@ from vegas_jax.cache import KVCache, init_cache
 from vegas_jax.execution import ExecConfig
 from vegas_jax.params import param_dtype
 from vegas_jax.prompts import (
-    check_memory, encode_prompts, eos_ids, plan_cache_len, token_limits,
+    check_memory, decode_text, encode_prompts, eos_ids, plan_cache_len, rows_of, token_limits,
 )
-from vegas_jax.sampling import SamplingParams
+from vegas_jax.sampling import SamplingParams, sample
 from vegas_jax.sharding import place_cache
 
 @dataclasses.dataclass
@@ -310,12 +311,17 @@ def run_stats(ids, batch: int, refill: Refill | None, prefill_s: float,
 
 
 def exec_config(model, override: ExecConfig | None = None) -> ExecConfig:
-    """The model's execution config (or `override`), resolved. The layer loop follows the
-    params' layout (set at load time by `layout_params`), so the two never disagree."""
+    """The model's execution config (or `override`), resolved. The layer loop is the
+    params' layout (set at load time by `layout_params`): an override naming the other
+    one is refused."""
     if override is not None and not isinstance(override, ExecConfig):
         raise TypeError("exec_config must be an ExecConfig")
-    xc = override or getattr(model, "exec_config", None) or ExecConfig()
     layers = "unrolled" if isinstance(model.params.layers, tuple) else "scan"
+    if override is not None and override.layers not in ("auto", layers):
+        raise ValueError(f"exec_config layers={override.layers!r} differs from the params' "
+                         f"layout ({layers!r}, set at load time): load the model with "
+                         f"exec_config=ExecConfig(layers={override.layers!r}) instead")
+    xc = override or getattr(model, "exec_config", None) or ExecConfig()
     return dataclasses.replace(xc, layers=layers).resolve()
 
 
@@ -379,3 +385,69 @@ def launch(model, prompts, max_new_tokens, sampling, extra_len, exec_cfg, max_ba
     eos = eos_ids(model)
     collector = TokenCollector(cache.batch, limits, eos, on_tokens, n_prompts=len(ids))
     return Launch(ids, cache, xc, limits, key, k0, eos, collector)
+
+
+class Runner(Protocol):
+    """What `run_loop` decodes with: plain steps (`generate`) or speculative rounds."""
+
+    name: str  # the method, for the stats
+    capture: Any  # what the prefills capture for the first selection (None: nothing)
+
+    def compile_init(self, cache, first, scores, progress) -> None:
+        """Compile `init` for these arguments (on a thread while the first token streams)."""
+
+    def init(self, cache, first, scores, progress):
+        """The decoding state of a prefilled group: its cache, first tokens [rows],
+        captured scores and stop state."""
+
+    def step(self, state) -> tuple:
+        """One device call: (state, outputs), outputs starting with `drive`'s two."""
+
+    def count(self, out, ready_at: float, wait_s: float, collector: TokenCollector,
+              waiting: bool) -> None:
+        """Sees each call's outputs as `drive` reads them; `waiting`: prompts wait for slots."""
+
+    def stats(self) -> dict:
+        """The runner's own statistics, added to the run's."""
+
+
+def run_loop(model, lc: Launch, sampling: SamplingParams, runner: Runner) -> GenerationResult:
+    """Decode `lc`'s prompts with `runner`: prefill the first slots, stream their first
+    tokens while the first state compiles, then `drive` with finished slots refilled."""
+    from vegas_jax.prefill import prefill_group, prefill_prompts
+
+    batch, collector = lc.cache.batch, lc.collector
+    t0 = time.perf_counter()
+    logits, cache, scores = prefill_prompts(model.params, model.config, lc.xc, lc.ids[:batch],
+                                            lc.cache, runner.capture)
+    first, _ = sample(lc.k0, logits, sampling)
+    args = (cache, first, scores, Progress.start(first, lc.limits[:batch], lc.eos))
+    # the first state compiles on a thread while the prefill runs and its token is read
+    # and streamed (that compile would otherwise hold the first token)
+    with ThreadPoolExecutor(1) as pool:
+        built = pool.submit(runner.compile_init, *args)
+        collector.add([[t] for t in jax.device_get(first)])
+        built.result()
+    state = runner.init(*args)
+    prefill_s = time.perf_counter() - t0
+
+    def prefill_some(prompts, rows):  # waiting prompts, prefilled together for free slots
+        grp, first, sc = prefill_group(model, lc.xc, [lc.ids[p] for p in prompts], rows,
+                                       lc.cache.max_len, runner.capture,
+                                       jax.random.fold_in(lc.k0, prompts[0]), sampling)
+        progress = Progress.start(first, rows_of(lc.limits, prompts, rows), lc.eos)
+        return runner.init(grp, first, sc, progress), first
+
+    refill = (Refill(range(batch, len(lc.ids)), prefill_some, collector)
+              if len(lc.ids) > batch else None)
+
+    def count(out, ready_at, wait_s):
+        runner.count(out, ready_at, wait_s, collector, refill is not None and bool(refill.waiting))
+
+    clock = DecodeClock(collector)
+    if not collector.done.all() or refill is not None:
+        drive(runner.step, state, collector, clock, on_out=count, refill=refill)
+    stats = {"method": runner.name, **runner.stats(),
+             **run_stats(lc.ids, batch, refill, prefill_s, clock), "backend": lc.xc.backend,
+             "cache_len": lc.cache.max_len}
+    return GenerationResult(collector.tokens, decode_text(model, collector.tokens), stats)

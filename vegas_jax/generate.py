@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from typing import Callable, Sequence
 
 import jax
@@ -15,10 +14,7 @@ from vegas_jax.cache import KVCache
 from vegas_jax.config import ModelConfig
 from vegas_jax.execution import ExecConfig, model_jit
 from vegas_jax.model import forward
-from vegas_jax.driver import (DecodeClock, GenerationResult, Progress, Refill, drive, launch,
-                              run_stats)
-from vegas_jax.prefill import prefill_group, prefill_prompts
-from vegas_jax.prompts import decode_text, rows_of
+from vegas_jax.driver import GenerationResult, Progress, launch, run_loop
 from vegas_jax.sampling import SamplingParams, sample
 
 
@@ -61,6 +57,34 @@ decode_steps = model_jit(decode_steps_body, static_argnames=("cfg", "xc", "sp", 
                          donate_argnames=("state",))
 
 
+class PlainRunner:
+    """`run_loop`'s runner for plain decoding: `steps_per_call` steps a device call."""
+
+    name = "vanilla"
+    capture = None
+
+    def __init__(self, model, xc: ExecConfig, sampling: SamplingParams, key, steps_per_call: int):
+        self.model, self.xc, self.sampling, self.key = model, xc, sampling, key
+        self.steps_per_call = steps_per_call
+
+    def compile_init(self, cache, first, scores, progress):
+        pass  # nothing to compile: the state is its parts
+
+    def init(self, cache, first, scores, progress) -> DecodeState:
+        return DecodeState(cache, first, self.key, progress)
+
+    def step(self, state: DecodeState):
+        state, toks, done = decode_steps(self.model.params, self.model.config, self.xc, state,
+                                         self.sampling, self.steps_per_call)
+        return state, (toks, done)
+
+    def count(self, out, ready_at, wait_s, collector, waiting):
+        pass
+
+    def stats(self) -> dict:
+        return {}
+
+
 def generate(
     model,
     prompts,
@@ -82,32 +106,7 @@ def generate(
     """
     if steps_per_call < 1:
         raise ValueError("steps_per_call must be >= 1")
-    cfg = model.config
-    ids, cache, xc, limits, key, k0, eos, collector = launch(
-        model, prompts, max_new_tokens, sampling, steps_per_call, exec_config, max_batch, seed,
-        on_tokens)
-    slots = cache.batch
-
-    t0 = time.perf_counter()
-    logits, cache, _ = prefill_prompts(model.params, cfg, xc, ids[:slots], cache, None)
-    tok, _ = sample(k0, logits, sampling)
-    state = DecodeState(cache, tok, key, Progress.start(tok, limits[:slots], eos))
-    collector.add([[t] for t in jax.device_get(tok)])
-    prefill_s = time.perf_counter() - t0
-
-    def prefill_some(prompts, rows):  # waiting prompts, prefilled together for free slots
-        grp, first, _ = prefill_group(model, xc, [ids[p] for p in prompts], rows,
-                                      cache.max_len, None, jax.random.fold_in(k0, prompts[0]),
-                                      sampling)
-        return (DecodeState(grp, first, key,
-                            Progress.start(first, rows_of(limits, prompts, rows), eos)), first)
-
-    refill = Refill(range(slots, len(ids)), prefill_some, collector) if len(ids) > slots else None
-    clock = DecodeClock(collector)
-    if not collector.done.all() or refill is not None:
-        drive(lambda st: (lambda s, toks, done: (s, (toks, done)))(
-            *decode_steps(model.params, cfg, xc, st, sampling, steps_per_call)),
-            state, collector, clock, refill=refill)
-    stats = {"method": "vanilla", **run_stats(ids, slots, refill, prefill_s, clock),
-             "backend": xc.backend}
-    return GenerationResult(collector.tokens, decode_text(model, collector.tokens), stats)
+    lc = launch(model, prompts, max_new_tokens, sampling, steps_per_call, exec_config,
+                max_batch, seed, on_tokens)
+    return run_loop(model, lc, sampling,
+                    PlainRunner(model, lc.xc, sampling, lc.key, steps_per_call))

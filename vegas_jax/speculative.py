@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
 import jax
@@ -18,16 +16,14 @@ from jax import lax
 
 from vegas_jax.attention import AttnPlan, Capture, raw_capture
 from vegas_jax.auto import AutoController
+from vegas_jax.auto_choice import AutoPolicy
 from vegas_jax.cache import KVCache
 from vegas_jax.config import ModelConfig
-from vegas_jax.driver import (DecodeClock, GenerationResult, Progress, Refill, drive, launch,
-                              run_stats)
+from vegas_jax.driver import GenerationResult, Launch, Progress, launch, run_loop
 from vegas_jax.execution import ExecConfig, model_jit
 from vegas_jax.generate import DecodeState, decode_steps_body, generate
 from vegas_jax.methods import DEFAULT_METHOD, SCORES, Auto, Method, method_named
 from vegas_jax.model import forward
-from vegas_jax.prefill import prefill_group, prefill_prompts
-from vegas_jax.prompts import decode_text, rows_of
 from vegas_jax.sampling import SamplingParams, accept, sample
 
 
@@ -202,8 +198,9 @@ class Tally:
     def stats(self, auto: AutoController | None) -> dict:
         rounds = max(self.rounds, 1)
         if auto is not None:  # rounds of several gammas: the controller counted each position
+            acc = auto.acceptance
             conditional = [float(h / t) if t else None  # None: never drafted
-                           for h, t in zip(auto.hits[1:], auto.trials[1:])]
+                           for h, t in zip(acc.hits[1:], acc.trials[1:])]
         else:
             reached = np.concatenate([[self.rounds], self.accepted_at[:-1]])
             conditional = (self.accepted_at / np.maximum(reached, 1)).tolist()
@@ -213,7 +210,6 @@ class Tally:
             # tau = mean accepted drafts + 1 a round; cumulative[i] = P(drafts 1..i+1 all
             # accepted); conditional[i] = P(draft i+1 accepted | drafts 1..i were)
             "tau": self.emitted / rounds,
-            "acceptance_by_position": cumulative,
             "acceptance_cumulative": cumulative,
             "acceptance_conditional": conditional,
             # per prompt, in prompt order (None: no round, the prefill's token ended it)
@@ -238,6 +234,55 @@ def _runner(model, xc: ExecConfig, spec: SpecConfig, sampling: SamplingParams,
     return run
 
 
+class SpecRunner:
+    """`run_loop`'s runner for speculative rounds: one method's, or auto's choice of
+    rounds and plain steps (`AutoController`)."""
+
+    def __init__(self, model, lc: Launch, spec: SpecConfig, sampling: SamplingParams,
+                 auto: AutoController | None):
+        self.spec, self.xc, self.key, self.auto = spec, lc.xc, lc.key, auto
+        self.name, self.capture = spec.name, prefill_capture(spec)
+        self.gamma = max(auto.gammas) if auto else spec.gamma
+        self.tally = Tally(self.gamma, len(lc.ids))
+        if auto is None:
+            self.step = _runner(model, lc.xc, spec, sampling)
+            return
+
+        def make(config):  # plain decoding on the same cache, or a round of that gamma
+            if config.plain:
+                low = dataclasses.replace(auto.spec, gamma=min(auto.gammas))
+                return _runner(model, lc.xc, low, sampling, auto.policy.plain_steps)
+            return _runner(model, lc.xc, dataclasses.replace(auto.spec, gamma=config.gamma),
+                           sampling)
+
+        auto.prepare(make)  # the configured gamma builds on its first call, the rest later
+        self.step = lambda st: auto.run(auto.choose(), st)
+
+    def _init_args(self, cache, first, scores, progress):
+        return (self.spec, self.xc, cache, first, self.key, scores, progress)
+
+    def compile_init(self, *parts):
+        init_state.lower(*self._init_args(*parts)).compile()
+
+    def init(self, *parts) -> SpecState:
+        return init_state(*self._init_args(*parts))
+
+    def count(self, out, ready_at, wait_s, collector, waiting):
+        _, _, n_acc, was_active = out
+        if self.auto is not None:  # tokens left matter while no prompt waits for a slot
+            self.auto.read(n_acc, was_active, ready_at, wait_s,
+                           None if waiting else collector.remaining())
+        self.tally.add(n_acc, was_active,
+                       collector.owner[was_active] if n_acc is not None else None)
+
+    def stats(self) -> dict:
+        out = {"gamma": self.gamma if self.auto is None else None,
+               "sparsity": self.spec.sparsity, **self.tally.stats(self.auto)}
+        if self.auto is not None:
+            out["auto"] = self.auto.stats()
+        return out
+
+
 def speculative_generate(
     model,
     prompts,
@@ -248,90 +293,28 @@ def speculative_generate(
     on_tokens: Callable[[list[list[int]]], None] | None = None,
     max_batch: int | None = None,
     exec_config: ExecConfig | None = None,
+    auto_policy: AutoPolicy = AutoPolicy(),
 ) -> GenerationResult:
     """Self-speculative decoding of prompts (conversations of {"role", "content"} messages,
     raw strings or token ids: `vegas_jax.prompts.encode_prompts`); output has the vanilla
     distribution (greedy: the same tokens). `spec.method="vanilla"` runs plain decoding;
-    "auto" chooses gamma or plain decoding as it goes. `max_batch`: at most this many
-    sequences at once; each finished one's slot is refilled with the next prompt's prefill
-    (results stay in prompt order). `max_new_tokens`: one limit, or one per prompt.
-    `exec_config`: how to run (default: the model's)."""
+    "auto" chooses gamma or plain decoding as it goes (`auto_policy`: its settings).
+    `max_batch`: at most this many sequences at once; each finished one's slot is refilled
+    with the next prompt's prefill (results stay in prompt order). `max_new_tokens`: one
+    limit, or one per prompt. `exec_config`: how to run (default: the model's)."""
     if not isinstance(spec, SpecConfig):
         raise TypeError("spec must be a SpecConfig")
     if not spec.method.speculative:
         res = generate(model, prompts, max_new_tokens, sampling, seed, on_tokens,
                        max_batch=max_batch, exec_config=exec_config)
         steps = max(len(t) for t in res.tokens) - 1  # one token per step after the prefill's
-        res.stats.update(tau=1.0, gamma=0, acceptance_by_position=[], rounds=steps)
+        res.stats.update(tau=1.0, gamma=0, acceptance_cumulative=[], rounds=steps)
         return res
-    cfg = model.config
-    auto = AutoController(spec) if isinstance(spec.method, Auto) else None
+    auto = AutoController(spec, auto_policy) if isinstance(spec.method, Auto) else None
     gamma = max(auto.gammas) if auto else spec.gamma
     # Room past the last kept token: a round writes gamma + 1 entries after n, and the last
     # round may overshoot max_new_tokens by gamma.
     extra = 2 * gamma + 2 + spec.method.extra_len()
-    ids, cache, xc, limits, key, k0, eos, collector = launch(
-        model, prompts, max_new_tokens, sampling, extra, exec_config, max_batch, seed, on_tokens)
-    batch = cache.batch
-
-    t0 = time.perf_counter()
-    logits, cache, scores = prefill_prompts(model.params, cfg, xc, ids[:batch], cache,
-                                            prefill_capture(spec))
-    x0, _ = sample(k0, logits, sampling)
-    progress = Progress.start(x0, limits[:batch], eos)
-    args = (spec, xc, cache, x0, key, scores, progress)
-    # the first state's selection compiles on a thread while the prefill runs and its
-    # token is read and streamed (that compile would otherwise hold the first token)
-    with ThreadPoolExecutor(1) as pool:
-        built = pool.submit(lambda: init_state.lower(*args).compile())
-        collector.add([[t] for t in jax.device_get(x0)])
-        built.result()
-    state = init_state(*args)
-    prefill_s = time.perf_counter() - t0
-
-    tally = Tally(gamma, len(ids))
-
-    def count(out, ready_at=None, wait_s=None):
-        _, _, n_acc, was_active = out
-        if auto is not None:  # tokens left matter while no prompt waits for a slot
-            left = None if refill is not None and refill.waiting else collector.remaining()
-            auto.read(n_acc, was_active, ready_at, wait_s, left)
-        tally.add(n_acc, was_active, collector.owner[was_active] if n_acc is not None else None)
-
-    if auto is None:
-        step = _runner(model, xc, spec, sampling)
-    else:
-        def make(config):  # plain decoding on the same cache (0), or a round of that gamma
-            if config == 0:
-                low = dataclasses.replace(auto.spec, gamma=min(auto.gammas))
-                return _runner(model, xc, low, sampling, AutoController.VANILLA_STEPS)
-            return _runner(model, xc, dataclasses.replace(auto.spec, gamma=config), sampling)
-
-        auto.prepare(make)  # the configured gamma builds on its first call, the rest later
-
-        def step(st):
-            return auto.run(auto.choose(), st)
-
-    def prefill_some(prompts, rows):  # waiting prompts, prefilled together for free slots
-        grp, first, sc = prefill_group(model, xc, [ids[p] for p in prompts], rows,
-                                       cache.max_len, prefill_capture(spec),
-                                       jax.random.fold_in(k0, prompts[0]), sampling)
-        return init_state(spec, xc, grp, first, key, sc,
-                          Progress.start(first, rows_of(limits, prompts, rows), eos)), first
-
-    refill = Refill(range(batch, len(ids)), prefill_some, collector) if len(ids) > batch else None
-    clock = DecodeClock(collector)
-    if not collector.done.all() or refill is not None:
-        drive(step, state, collector, clock, on_out=count, refill=refill)
-    stats = {
-        "method": spec.name,
-        "gamma": gamma if auto is None else None,
-        "sparsity": spec.sparsity,
-        **run_stats(ids, batch, refill, prefill_s, clock),
-        **tally.stats(auto),
-        "backend": xc.backend,
-        "cache_len": cache.max_len,
-    }
-    if auto is not None:
-        stats["auto"] = auto.stats()
-    return GenerationResult(collector.tokens, decode_text(model, collector.tokens), stats)
+    lc = launch(model, prompts, max_new_tokens, sampling, extra, exec_config, max_batch, seed,
+                on_tokens)
+    return run_loop(model, lc, sampling, SpecRunner(model, lc, spec, sampling, auto))

@@ -179,7 +179,7 @@ def run(args, model=None) -> dict:
                 for _ in range(args.repeats)]
         st = max(runs, key=lambda r: r["decode_tokens_per_s"])
         return {"tau": st["tau"], "tok_s": st["decode_tokens_per_s"],
-                "acceptance": st["acceptance_by_position"]}
+                "acceptance": st["acceptance_cumulative"]}
 
     def evaluate(sparsity, gamma):
         bar.set_postfix(sparsity=sparsity, gamma=gamma)
