@@ -93,9 +93,13 @@ def quant_matmul_reference(x, q, scale, fmt: str):
 
 @dataclasses.dataclass(frozen=True)
 class QuantBlocks:
-    """A call's tiling: rows, columns and k rows of a program's block (int4: a multiple of
-    the group), k splits (each program walks k / split_k; partial sums meet in XLA), and
-    Triton's warps and pipeline stages."""
+    """A call's tiling. block_m: rows of a program (>= 16: tensor-core dots, rows padded to
+    block_m; 1, 2, 4 or 8: a CUDA-core GEMV, each row's products summed elementwise into a
+    register tile, reduced once at the end); block_n columns; block_k rows of k a loop
+    step (int4: a multiple of the group); split_k: programs along k (partial sums meet in
+    a fixed-order XLA sum); Triton's warps and stages; unpack: "asm" (inline PTX
+    converting 4 packed values at once without an int-to-float instruction) or "jnp"
+    (the same conversion from jnp ops; interpret mode always uses it)."""
 
     block_m: int
     block_n: int
@@ -103,6 +107,11 @@ class QuantBlocks:
     split_k: int
     num_warps: int
     num_stages: int
+    unpack: str = "jnp"
+
+
+UNPACKS = ("jnp", "asm")
+GEMV_ROWS = (1, 2, 4, 8)
 
 
 def default_blocks(m: int, k: int, n: int, fmt: str) -> QuantBlocks:
@@ -119,59 +128,191 @@ def default_blocks(m: int, k: int, n: int, fmt: str) -> QuantBlocks:
         bk = max(bk, group_size(k))
     tiles = pl.cdiv(m, bm) * pl.cdiv(n, bn)
     steps = k // bk
-    split = 1
-    while tiles * split < 2 * sm_count() and split * 2 <= steps and steps % (split * 2) == 0:
-        split *= 2
+    # the fewest k splits (a divisor of the steps) that make two waves, else all of them
+    split = next((d for d in range(1, steps + 1)
+                  if steps % d == 0 and tiles * d >= 2 * sm_count()), steps)
     return QuantBlocks(block_m=bm, block_n=bn, block_k=bk, split_k=split,
                        num_warps=4, num_stages=4)
 
 
+# Inline PTX, 4 packed values a call (Triton packs them into one 32-bit register; each
+# bf16 output pair is one register, element 0 in the low half). A nibble u becomes the
+# bf16 with bits 0x4300 | u = 128 + u, and one bf16x2 fma takes 136 off: u - 8, exact.
+_ASM_INT4 = """{{
+.reg .b32 t, c, one, off;
+{nibbles}
+mov.b32 c, 0x43434343;
+mov.b32 one, 0x3F803F80;
+mov.b32 off, 0xC308C308;
+prmt.b32 $0, t, c, 0x4140;
+prmt.b32 $1, t, c, 0x4342;
+fma.rn.bf16x2 $0, $0, one, off;
+fma.rn.bf16x2 $1, $1, one, off;
+}}"""
+_ASM_LO = _ASM_INT4.format(nibbles="and.b32 t, $2, 0x0F0F0F0F;")
+_ASM_HI = _ASM_INT4.format(nibbles="shr.u32 t, $2, 4;\nand.b32 t, t, 0x0F0F0F0F;")
+# int8: v + 128 into the low byte of fp32 2^23 (bits 0x4B0000uu), minus 2^23 + 128: v,
+# exact; its bf16 is the fp32's high half (exact for |v| <= 128).
+_ASM_INT8 = """{
+.reg .b32 t, c, f0, f1, f2, f3, off;
+xor.b32 t, $2, 0x80808080;
+mov.b32 c, 0x4B000000;
+mov.b32 off, 0x4B000080;
+prmt.b32 f0, t, c, 0x7440;
+prmt.b32 f1, t, c, 0x7441;
+prmt.b32 f2, t, c, 0x7442;
+prmt.b32 f3, t, c, 0x7443;
+sub.f32 f0, f0, off;
+sub.f32 f1, f1, off;
+sub.f32 f2, f2, off;
+sub.f32 f3, f3, off;
+prmt.b32 $0, f0, f1, 0x7632;
+prmt.b32 $1, f2, f3, 0x7632;
+}"""
+
+
+def _asm(code: str, b):
+    return pltr.elementwise_inline_asm(
+        code, args=[b], constraints="=r,=r,r", pack=4,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(b.shape, jnp.bfloat16)])[0]
+
+
+def unpack_int4(b, dtype, asm: bool):
+    """Packed bytes b uint8 [r, c] -> (low, high) nibbles as signed values [r, c] in dtype
+    (bf16 or fp32): the group's first and second halves of rows."""
+    if asm:
+        lo, hi = _asm(_ASM_LO, b), _asm(_ASM_HI, b)
+    else:  # the same bits from jnp ops
+        b16 = b.astype(jnp.uint16)
+        lo = lax.bitcast_convert_type((b16 & 15) | 0x4300, jnp.bfloat16) - 136
+        hi = lax.bitcast_convert_type((b16 >> 4) | 0x4300, jnp.bfloat16) - 136
+    return lo.astype(dtype), hi.astype(dtype)
+
+
+def unpack_int8(b, dtype, asm: bool):
+    """int8 values b [r, c] as dtype (bf16 or fp32), exact."""
+    if asm:
+        return _asm(_ASM_INT8, b).astype(dtype)
+    return b.astype(dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Prog:
+    """One program's view: its block indices, its columns and their mask (None where the
+    block ends inside n), and closures that load the weights (`weights`: a chunk of k
+    rows at k0 as (k offset, values [rows, bn]) parts and the chunk's scale row or None)
+    and int8's column scales (`col_scale`, [1, bn])."""
+
+    i: object
+    sp: object
+    cols: object
+    col_ok: object
+    weights: object
+    col_scale: object
+
+
 def _kernel(layer_ref, x_ref, q_ref, s_ref, o_ref, *, fmt, m, n, g, block_m, block_n,
-            block_k, steps):
+            block_k, steps, asm):
     # layer_ref [1] int32; x_ref [m, k]; q_ref [L, k, n] int8 or [L, k/2, n] uint8;
     # s_ref [L, 1, n] fp32 or [L, k/g, n] bf16; o_ref [split * m, n] (each k split's
     # partial product, scaled)
-    i, j, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     li = layer_ref[0]
-    rows, cols = pl.ds(i * block_m, block_m), pl.ds(j * block_n, block_n)
+    j = pl.program_id(1)
+    cols = pl.ds(j * block_n, block_n)
     # masks only where a block passes the array's end (static)
-    row_ok = (i * block_m + jnp.arange(block_m) < m)[:, None] if m % block_m else None
     col_ok = (j * block_n + jnp.arange(block_n) < n)[None, :] if n % block_n else None
-    cdt = x_ref.dtype  # the dot's operand type: weights' integers are exact in bf16
+    cdt = x_ref.dtype  # the dots' operand type: the weights' integers are exact in bf16
+    chunk = g if fmt == "int4" else min(block_k, 64)  # as `_chunk`
 
-    def load(ref, mask):  # `other` only beside a mask (Triton's lowering insists)
-        return pltr.load(ref, mask=mask, other=None if mask is None else 0)
+    def weights(k0):
+        if fmt == "int8":
+            wb = _load(q_ref.at[li, pl.ds(k0, chunk), cols], col_ok)  # [c, bn]
+            return [(0, unpack_int8(wb, cdt, asm))], None
+        b = _load(q_ref.at[li, pl.ds(k0 // 2, g // 2), cols], col_ok)  # [g/2, bn]
+        lo, hi = unpack_int4(b, cdt, asm)
+        sc = _load(s_ref.at[li, pl.ds(k0 // g, 1), cols], col_ok)  # [1, bn]
+        return [(0, lo), (g // 2, hi)], sc.astype(jnp.float32)
 
-    def load_x(k0, width):
-        return load(x_ref.at[rows, pl.ds(k0, width)], row_ok)
+    def col_scale():
+        return _load(s_ref.at[li, pl.ds(0, 1), cols], col_ok)  # [1, bn]
 
-    def step_int8(t, acc):
-        k0 = (sp * steps + t) * block_k
-        wb = load(q_ref.at[li, pl.ds(k0, block_k), cols], col_ok)  # [bk, bn]
-        return acc + dot(load_x(k0, block_k), wb.astype(cdt))
+    prog = _Prog(i=pl.program_id(0), sp=pl.program_id(2), cols=cols, col_ok=col_ok,
+                 weights=weights, col_scale=col_scale if fmt == "int8" else None)
+    body = _dot_body if block_m >= 16 else _gemv_body
+    body(x_ref, o_ref, prog, m=m, block_m=block_m, block_n=block_n, block_k=block_k,
+         chunk=chunk, steps=steps)
 
-    def step_int4(t, acc):
-        for gi in range(block_k // g):  # each group: its own scale row
-            k0 = (sp * steps + t) * block_k + gi * g
-            b = load(q_ref.at[li, pl.ds(k0 // 2, g // 2), cols], col_ok)
-            b = b.astype(jnp.int32)  # [g/2, bn]
-            lo, hi = ((b & 15) - 8).astype(cdt), ((b >> 4) - 8).astype(cdt)
-            sc = load(s_ref.at[li, pl.ds(k0 // g, 1), cols], col_ok)
-            part = dot(load_x(k0, g // 2), lo) + dot(load_x(k0 + g // 2, g // 2), hi)
-            acc = acc + part * sc.astype(jnp.float32)  # [bm, bn]
+
+def _load(ref, mask):  # `other` only beside a mask (Triton's lowering insists)
+    return pltr.load(ref, mask=mask, other=None if mask is None else 0)
+
+
+def _dot_body(x_ref, o_ref, p: _Prog, *, m, block_m, block_n, block_k, chunk, steps):
+    """Tensor-core path: acc [bm, bn] += x [bm, rows] @ part, for each part of each chunk;
+    int4's group scale multiplies its chunk's product, int8's column scale the total."""
+    rows = pl.ds(p.i * block_m, block_m)
+    row_ok = (p.i * block_m + jnp.arange(block_m) < m)[:, None] if m % block_m else None
+
+    def step(t, acc):
+        for c in range(block_k // chunk):
+            k0 = (p.sp * steps + t) * block_k + c * chunk
+            parts, sc = p.weights(k0)
+            prod = None
+            for off, w in parts:
+                xb = _load(x_ref.at[rows, pl.ds(k0 + off, w.shape[0])], row_ok)
+                d = dot(xb, w)
+                prod = d if prod is None else prod + d
+            acc = acc + (prod if sc is None else prod * sc)
         return acc
 
-    acc = lax.fori_loop(0, steps, step_int8 if fmt == "int8" else step_int4,
-                        jnp.zeros((block_m, block_n), jnp.float32))
-    if fmt == "int8":
-        acc = acc * load(s_ref.at[li, pl.ds(0, 1), cols], col_ok)
-    out_rows = pl.ds(sp * m + i * block_m, block_m)
+    acc = lax.fori_loop(0, steps, step, jnp.zeros((block_m, block_n), jnp.float32))
+    if p.col_scale is not None:
+        acc = acc * p.col_scale()
     mask = None
-    if row_ok is not None or col_ok is not None:
-        mask = jnp.broadcast_to(
-            (True if row_ok is None else row_ok) & (True if col_ok is None else col_ok),
-            (block_m, block_n))
-    pltr.store(o_ref.at[out_rows, cols], acc.astype(o_ref.dtype), mask=mask)
+    if row_ok is not None or p.col_ok is not None:
+        mask = jnp.broadcast_to((True if row_ok is None else row_ok)
+                                & (True if p.col_ok is None else p.col_ok), acc.shape)
+    pltr.store(o_ref.at[pl.ds(p.sp * m + p.i * block_m, block_m), p.cols],
+               acc.astype(o_ref.dtype), mask=mask)
+
+
+def _gemv_body(x_ref, o_ref, p: _Prog, *, m, block_m, block_n, block_k, chunk, steps):
+    """CUDA-core path for a few rows: per row, acc [rows, bn] += x[k0 + r] * w[r, :] for
+    the chunk's rows r (no cross-thread reduction inside the loop), summed once at the
+    end."""
+    def row_ok(r):  # row r of this block exists: True (static) where every row does
+        return True if m % block_m == 0 else p.i * block_m + r < m
+
+    def step(t, accs):
+        accs = list(accs)
+        for c in range(block_k // chunk):
+            k0 = (p.sp * steps + t) * block_k + c * chunk
+            parts, sc = p.weights(k0)
+            for r in range(block_m):
+                prod = None
+                for off, w in parts:
+                    ok, width = row_ok(r), w.shape[0]
+                    xr = _load(x_ref.at[p.i * block_m + r, pl.ds(k0 + off, width)],
+                               None if ok is True else jnp.broadcast_to(ok, (width,)))
+                    d = xr.astype(jnp.float32)[:, None] * w.astype(jnp.float32)
+                    prod = d if prod is None else prod + d
+                accs[r] = accs[r] + (prod if sc is None else prod * sc)
+        return tuple(accs)
+
+    part_rows = chunk if p.col_scale is not None else chunk // 2  # int8: whole; int4: halves
+    zero = jnp.zeros((part_rows, block_n), jnp.float32)
+    accs = lax.fori_loop(0, steps, step, (zero,) * block_m)
+    scale = None if p.col_scale is None else p.col_scale().reshape(block_n)
+    col_ok = None if p.col_ok is None else p.col_ok.reshape(block_n)
+    for r in range(block_m):
+        out = jnp.sum(accs[r], axis=0)  # [bn]
+        if scale is not None:
+            out = out * scale
+        ok, mask = row_ok(r), col_ok
+        if ok is not True:
+            mask = jnp.broadcast_to(ok, out.shape) if mask is None else mask & ok
+        pltr.store(o_ref.at[p.sp * m + p.i * block_m + r, p.cols], out.astype(o_ref.dtype),
+                   mask=mask)
 
 
 def _check_shapes(k: int, q, scale, fmt: str, stacked: bool) -> None:
@@ -189,27 +330,36 @@ def _check_shapes(k: int, q, scale, fmt: str, stacked: bool) -> None:
         raise ValueError(f"scale must be {list(want_s)} for {fmt}, got {list(scale.shape)}")
 
 
+def _chunk(k: int, fmt: str, block_k: int) -> int:
+    """k rows a kernel step loads at once: int4's group, else up to 64."""
+    return group_size(k) if fmt == "int4" else min(block_k, 64)
+
+
 def _blocks(m: int, k: int, n: int, fmt: str, given: dict) -> QuantBlocks:
     """`default_blocks` with the caller's settings (those not None) put in, checked."""
     b = dataclasses.replace(default_blocks(m, k, n, fmt),
                             **{f: v for f, v in given.items() if v is not None})
-    g = group_size(k) if fmt == "int4" else 1
-    if b.block_k < 16 or k % b.block_k or b.block_k % g:
-        raise ValueError(f"block_k {b.block_k} must be >= 16 and divide k {k}"
-                         + (f", a multiple of the group {g}" if g > 1 else ""))
+    c = _chunk(k, fmt, b.block_k)
+    if b.block_k < 16 or k % b.block_k or b.block_k % c or c & (c - 1):
+        raise ValueError(f"block_k {b.block_k} must divide k {k} and be a multiple of "
+                         f"{'the group ' if fmt == 'int4' else 'a power of two '}{c}")
     if b.split_k < 1 or (k // b.block_k) % b.split_k:
         raise ValueError(f"split_k {b.split_k} must divide k / block_k = {k // b.block_k}")
-    for name in ("block_m", "block_n"):
-        v = getattr(b, name)
-        if v < 16 or v & (v - 1):
-            raise ValueError(f"{name} must be a power of two >= 16, got {v}")
+    if b.block_n < 16 or b.block_n & (b.block_n - 1):
+        raise ValueError(f"block_n must be a power of two >= 16, got {b.block_n}")
+    if b.block_m not in GEMV_ROWS and (b.block_m < 16 or b.block_m & (b.block_m - 1)):
+        raise ValueError(f"block_m must be one of {GEMV_ROWS} or a power of two >= 16, "
+                         f"got {b.block_m}")
+    if b.unpack not in UNPACKS:
+        raise ValueError(f"unpack must be one of {UNPACKS}, got {b.unpack!r}")
     return b
 
 
 def quant_matmul(x, q, scale, *, fmt: str, layer=None, block_m: int | None = None,
                  block_n: int | None = None, block_k: int | None = None,
                  split_k: int | None = None, num_warps: int | None = None,
-                 num_stages: int | None = None, interpret: bool = False):
+                 num_stages: int | None = None, unpack: str | None = None,
+                 interpret: bool = False):
     """`quant_matmul_reference` as one Pallas (Triton) kernel (plus an XLA sum of the k
     splits' partials where split_k > 1). x [..., k] bf16 or fp32; q, scale from `quantize`
     of a [k, n] weight, or with layer (an int, traced or not) of stacked [L, k, n] weights,
@@ -224,7 +374,7 @@ def quant_matmul(x, q, scale, *, fmt: str, layer=None, block_m: int | None = Non
     m = x2.shape[0]
     b = _blocks(m, k, n, fmt, dict(block_m=block_m, block_n=block_n, block_k=block_k,
                                    split_k=split_k, num_warps=num_warps,
-                                   num_stages=num_stages))
+                                   num_stages=num_stages, unpack=unpack))
     s3 = scale.reshape(scale.shape[0], 1, n) if fmt == "int8" else scale
     li = jnp.asarray(layer, jnp.int32).reshape(1)
     out_dtype = x.dtype if b.split_k == 1 else jnp.float32
@@ -232,7 +382,8 @@ def quant_matmul(x, q, scale, *, fmt: str, layer=None, block_m: int | None = Non
         functools.partial(_kernel, fmt=fmt, m=m, n=n,
                           g=group_size(k) if fmt == "int4" else 1, block_m=b.block_m,
                           block_n=b.block_n, block_k=b.block_k,
-                          steps=k // b.block_k // b.split_k),
+                          steps=k // b.block_k // b.split_k,
+                          asm=b.unpack == "asm" and not interpret),
         grid=(pl.cdiv(m, b.block_m), pl.cdiv(n, b.block_n), b.split_k),
         in_specs=[whole((1,)), whole(x2.shape), whole(q.shape), whole(s3.shape)],
         out_specs=whole((b.split_k * m, n)),
