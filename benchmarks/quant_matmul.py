@@ -32,8 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pallas_kernels.quant_matmul import (FORMATS, default_blocks, dequantize, group_size,
-                                         quant_matmul,
+from pallas_kernels.quant_matmul import (FORMATS, GEMV_ROWS, default_blocks, dequantize,
+                                         group_size, quant_matmul,
                                          quant_matmul_reference, quantize)
 
 # k x n of each draft matmul (the weights as the model stores them: x @ w), and the layers
@@ -127,31 +127,33 @@ def xla_dequant_dot(x, qs, fmt):
     return jnp.dot(x, dequantize(q, s, fmt).astype(x.dtype))
 
 
-def configs(m: int, k: int, n: int, fmt: str, sweep: str) -> list[dict]:
-    """The default block config, then (sweep "small") one-at-a-time variants around it:
-    columns, k block, k splits, warps, stages; "full" adds their pairs of columns x splits.
-    Only valid ones (k block dividing k and the group, splits dividing the k steps)."""
+SWEEP_ROWS = (1, 16, 256)  # the row counts where "small" sweeps (Qwen3-8B's shapes)
+
+
+def configs(m: int, k: int, n: int, fmt: str, sweep: str, model: str = "") -> list[dict]:
+    """The default block config first, then variants: "none" adds none; "small" adds the
+    same config with inline-PTX unpacking everywhere, and at Qwen3-8B's shapes and M in
+    SWEEP_ROWS a few one-at-a-time changes (GEMV rows for few rows, columns, k splits,
+    warps, row blocks); "full" adds those at every shape and M. Invalid ones (k block not
+    dividing k, splits not dividing the k steps) are dropped."""
     d = dataclasses.asdict(default_blocks(m, k, n, fmt))
+    var = [] if sweep == "none" else [dict(unpack="asm")]
+    if sweep == "full" or (sweep == "small" and model == "qwen3-8b" and m in SWEEP_ROWS):
+        if m <= 8:
+            gm = next(r for r in GEMV_ROWS if r >= m)
+            var += [dict(block_m=gm), dict(block_m=gm, unpack="asm"),
+                    dict(block_m=gm, block_n=64, unpack="asm")]
+        var += [dict(block_n=64 if d["block_n"] != 64 else 128), dict(num_warps=8),
+                dict(split_k=d["split_k"] * 2)]
+        if m > 16:
+            var += [dict(block_m=128 if d["block_m"] != 128 else 64), dict(num_stages=3)]
     out = [d]
-    if sweep == "none":
-        return out
-    g = 128 if k % 128 == 0 else 64
-    var = [dict(block_n=bn) for bn in (32, 64, 128, 256) if bn != d["block_n"]]
-    var += [dict(block_k=bk) for bk in (d["block_k"] // 2, d["block_k"] * 2)]
-    var += [dict(split_k=sk) for sk in (d["split_k"] // 2, d["split_k"] * 2, d["split_k"] * 4)]
-    var += [dict(num_warps=8 if d["num_warps"] == 4 else 4),
-            dict(num_stages=d["num_stages"] - 1), dict(num_stages=d["num_stages"] + 1)]
-    if m > 16:
-        var += [dict(block_m=bm) for bm in (16, 32, 64, 128) if bm != d["block_m"]]
-    if sweep == "full":
-        var += [dict(block_n=bn, split_k=sk) for bn in (64, 256)
-                for sk in (d["split_k"] * 2, max(1, d["split_k"] // 2))]
+    g = group_size(k) if fmt == "int4" else 1
     for v in var:
         c = {**d, **v}
-        ok = (c["block_k"] >= 16 and k % c["block_k"] == 0
-              and (fmt == "int8" or c["block_k"] % g == 0)
-              and c["split_k"] >= 1 and (k // c["block_k"]) % c["split_k"] == 0
-              and c["num_stages"] >= 1 and c["block_m"] <= max(16, 2 * m))
+        chunk = g if fmt == "int4" else min(c["block_k"], 64)
+        ok = (k % c["block_k"] == 0 and c["block_k"] % chunk == 0
+              and (k // c["block_k"]) % c["split_k"] == 0)
         if ok and c not in out:
             out.append(c)
     return out
@@ -173,57 +175,85 @@ def check_reference(fmt, x, q, s, interpret) -> float:
     return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
 
 
-def bench_shape(run: Run, model, name, k, n, rows, sweep, ceil_bw, log):
-    """All rows of one weight shape: bf16, XLA dequantize-then-dot and the kernel's
-    configs for both formats."""
-    copies = max(1, min(MAX_COPIES, -(-COPY_BYTES // (2 * k * n)))) if not run.tiny else 2
-    key = jax.random.PRNGKey(k * 7 + n)
-    w = (jax.random.normal(key, (copies, k, n), jnp.float32) * 0.02).astype(jnp.bfloat16)
-    ws = [w[c] for c in range(copies)]
+XLA_ROWS = (1, 8, 64)  # XLA's dequantize-then-dot is timed at these M (as in issue 55)
+
+
+def weights_for(k: int, n: int, copies: int):
+    """copies bf16 weights [k, n] (~N(0, 0.02)), as a list, and each format's stacked
+    (q, scale) of them."""
+    w = (jax.random.normal(jax.random.PRNGKey(k * 7 + n), (copies, k, n), jnp.float32)
+         * 0.02).astype(jnp.bfloat16)
     quant = {fmt: jax.jit(functools.partial(quantize, fmt=fmt))(w) for fmt in FORMATS}
-    qs = {fmt: [(q[c], s[c]) for c in range(copies)] for fmt, (q, s) in quant.items()}
-    del w
+    return [w[c] for c in range(copies)], quant
+
+
+def time_kernel(run: Run, fmt, c, x, quant, n_it, copies, xla_sum):
+    """(seconds a call, checksum ok) of the kernel with config c; (None, error) if it
+    fails to compile or run."""
+    try:
+        f = kernel_loop(fmt, c, n_it, copies, run.tiny)
+        t = timeit(f, x, *quant, calls=n_it * copies)
+        cs = float(f(x, *quant))
+    except Exception as e:  # noqa: BLE001 - a config that does not compile is a result
+        return None, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    ok = xla_sum is None or abs(cs - xla_sum) <= 2e-2 * max(abs(xla_sum), 1.0)
+    return t, ok
+
+
+def bench_cell(run: Run, model, name, k, n, m, ws, quant, copies, n_it, sweep, ceil_bw,
+               rows):
+    """One (shape, M): bf16, XLA's dequantize-then-dot (at XLA_ROWS, or every M in tiny
+    mode) and the kernel's configs, both formats."""
+    x = jax.random.normal(jax.random.PRNGKey(m), (m, k), jnp.bfloat16)
+    base = dict(model=model, shape=name, k=k, n=n, m=m, copies=copies)
+    t = timeit(unrolled_loop(jnp.dot, n_it), x, ws, calls=n_it * copies)
+    bf16 = dict(base, variant="bf16", us=t * 1e6, gbps=bytes_read(None, m, k, n) / t / 1e9)
+    run.results.append(bf16)
+    for fmt in FORMATS:
+        b = bytes_read(fmt, m, k, n)
+        xla_sum = None
+        if run.tiny or m in XLA_ROWS:
+            qs = [(quant[fmt][0][c], quant[fmt][1][c]) for c in range(copies)]
+            xla = unrolled_loop(functools.partial(xla_dequant_dot, fmt=fmt), n_it)
+            t = timeit(xla, x, qs, calls=n_it * copies)
+            xla_sum = float(xla(x, qs))
+            run.results.append(dict(base, variant=f"xla-{fmt}", us=t * 1e6, gbps=b / t / 1e9))
+        err = (check_reference(fmt, x, *quant[fmt], run.tiny)
+               if m in (rows[0], rows[-1]) else None)
+        for c in configs(m, k, n, fmt, sweep, model):
+            if run.left() < 0:
+                run.skipped.append(f"{model} {name} M {m} {fmt} {_cfg_str(c)}")
+                continue
+            t, ok = time_kernel(run, fmt, c, x, quant[fmt], n_it, copies, xla_sum)
+            r = dict(base, variant=fmt, config=c, ok=ok is True, ref_err=err,
+                     default=c == configs(m, k, n, fmt, "none")[0],
+                     l2=copies * b < 2 * L2_BYTES)
+            if t is None:
+                r.update(us=float("inf"), gbps=0.0, frac=0.0, vs_bf16=0.0, error=ok)
+            else:
+                r.update(us=t * 1e6, gbps=b / t / 1e9, frac=b / t / ceil_bw,
+                         vs_bf16=bf16["us"] / (t * 1e6))
+            run.results.append(r)
+            err = None  # checked once, with the default config
+
+
+def bench_shape(run: Run, model, name, k, n, rows, sweep, ceil_bw):
+    """All rows of one weight shape (C copies of it, C x bf16 bytes >= COPY_BYTES)."""
+    copies = 2 if run.tiny else max(1, min(MAX_COPIES, -(-COPY_BYTES // (2 * k * n))))
+    ws, quant = weights_for(k, n, copies)
     n_it = 2 if run.tiny else max(2, min(200, int(4e-3 * ceil_bw / (copies * k * n))))
     for m in rows:
         if run.left() < 0:
             run.skipped.append(f"{model} {name} M {m}")
             continue
-        x = jax.random.normal(jax.random.fold_in(key, m), (m, k), jnp.bfloat16)
-        base = dict(model=model, shape=name, k=k, n=n, m=m, copies=copies)
-        t = timeit(unrolled_loop(jnp.dot, n_it), x, ws, calls=n_it * copies)
-        bf16 = dict(base, variant="bf16", us=t * 1e6, gbps=bytes_read(None, m, k, n) / t / 1e9)
-        run.results.append(bf16)
-        for fmt in FORMATS:
-            xf = functools.partial(xla_dequant_dot, fmt=fmt)
-            sums = {}
-            xla = unrolled_loop(xf, n_it)
-            t = timeit(xla, x, qs[fmt], calls=n_it * copies)
-            sums["xla"] = float(xla(x, qs[fmt]))
-            run.results.append(dict(base, variant=f"xla-{fmt}", us=t * 1e6,
-                                    gbps=bytes_read(fmt, m, k, n) / t / 1e9))
-            err = (check_reference(fmt, x, *quant[fmt], run.tiny)
-                   if m in (rows[0], rows[-1]) else None)
-            for c in configs(m, k, n, fmt, sweep):
-                if run.left() < 0:
-                    run.skipped.append(f"{model} {name} M {m} {fmt} {c}")
-                    break
-                f = kernel_loop(fmt, c, n_it, copies, run.tiny)
-                t = timeit(f, x, *quant[fmt], calls=n_it * copies)
-                cs = float(f(x, *quant[fmt]))
-                ok = abs(cs - sums["xla"]) <= 2e-2 * max(abs(sums["xla"]), 1.0)
-                b = bytes_read(fmt, m, k, n)
-                run.results.append(dict(
-                    base, variant=fmt, config=c, us=t * 1e6, gbps=b / t / 1e9,
-                    frac=b / t / ceil_bw, vs_bf16=bf16["us"] / (t * 1e6), ok=bool(ok),
-                    ref_err=err, default=c == configs(m, k, n, fmt, "none")[0],
-                    l2=copies * b < 2 * L2_BYTES))
-                err = None  # checked once, with the default config
-        log(run, model, name, m)
+        bench_cell(run, model, name, k, n, m, ws, quant, copies, n_it, sweep, ceil_bw, rows)
+        log_rows(run, model, name, m)
+    del ws, quant
 
 
 def _cfg_str(c: dict) -> str:
     return (f"m{c['block_m']} n{c['block_n']} k{c['block_k']} s{c['split_k']} "
-            f"w{c['num_warps']} st{c['num_stages']}")
+            f"w{c['num_warps']} st{c['num_stages']} {c['unpack']}")
 
 
 def log_rows(run: Run, model, name, m):
@@ -234,13 +264,14 @@ def log_rows(run: Run, model, name, m):
         ks = [r for r in sel if r["variant"] == fmt]
         if not ks:
             continue
-        good = [r for r in ks if r["ok"]] or ks
+        good = [r for r in ks if r["ok"]] or ks  # errored configs are never ok
         best = min(good, key=lambda r: r["us"])
         dflt = next((r for r in ks if r["default"]), best)
-        xla = next(r for r in sel if r["variant"] == f"xla-{fmt}")
+        xla = next((r for r in sel if r["variant"] == f"xla-{fmt}"), None)
         bad = sum(not r["ok"] for r in ks)
         err = next((r["ref_err"] for r in ks if r["ref_err"] is not None), None)
-        print(f"| {model} | {name} | {m} | {fmt} | {bf16['us']:.1f} | {xla['us']:.1f} | "
+        print(f"| {model} | {name} | {m} | {fmt} | {bf16['us']:.1f} | "
+              f"{'-' if xla is None else format(xla['us'], '.1f')} | "
               f"{dflt['us']:.1f} | {best['us']:.1f} | {best['gbps']:.0f} | "
               f"{best['frac']:.2f}{' L2' if best['l2'] else ''} | "
               f"{bf16['us'] / best['us']:.2f} | {_cfg_str(best['config'])} | "
@@ -264,6 +295,7 @@ def step_table(run: Run, rows):
                     s = 0.0
                     for name in SHAPES[model]:
                         rs = [r for r in sel if r["shape"] == name and r["variant"] == v
+                              and r.get("ok", True)
                               and (pick == "best" or v == "bf16" or r["default"])]
                         if not rs:
                             s = float("nan")
@@ -278,6 +310,37 @@ def step_table(run: Run, rows):
                   f"{tot['int4', 'best'] / tot['bf16', 'best']:.2f} |")
 
 
+def _change(r) -> str:
+    """A kernel row's config as its change from that cell's default ("default" if none)."""
+    d = dataclasses.asdict(default_blocks(r["m"], r["k"], r["n"], r["variant"]))
+    diff = [f"{f}={v}" for f, v in r["config"].items() if d[f] != v]
+    return ",".join(diff) or "default"
+
+
+def variant_table(run: Run):
+    """Per (model, format, M): each change from the default, its draft step's matmul time
+    (every layer's four and the LM head, where it ran at every shape) vs the default's:
+    what a rule for the defaults should pick."""
+    print("\n| model | fmt | M | change from the default | step µs | vs default |")
+    print("|---|---|---|---|---|---|")
+    kern = [r for r in run.results if r["variant"] in FORMATS and r["ok"]]
+    for model, fmt, m in dict.fromkeys((r["model"], r["variant"], r["m"]) for r in kern):
+        sel = [r for r in kern if (r["model"], r["variant"], r["m"]) == (model, fmt, m)]
+        tot: dict[str, float] = {}
+        for name in SHAPES[model]:
+            for r in sel:
+                if r["shape"] == name:
+                    w = 1 if name == "lm_head" else LAYERS[model]
+                    tot[_change(r)] = tot.get(_change(r), 0.0) + r["us"] * w
+        full = {c: v for c, v in tot.items()
+                if all(any(r["shape"] == name and _change(r) == c for r in sel)
+                       for name in SHAPES[model])}
+        base = full.get("default")
+        for c, v in sorted(full.items(), key=lambda kv: kv[1])[:4]:
+            print(f"| {model} | {fmt} | {m} | {c} | {v:.0f} | "
+                  f"{'-' if not base else format(v / base, '.3f')} |")
+
+
 def build_parser():
     p = argparse.ArgumentParser(prog="python -m benchmarks.quant_matmul",
                                 description=__doc__.split("\n\n")[0])
@@ -288,8 +351,8 @@ def build_parser():
     p.add_argument("--sweep", default="small", choices=("none", "small", "full"),
                    help="block configs per cell: the default only, one-at-a-time variants "
                         "(default), or those and pairs")
-    p.add_argument("--budget-s", type=float, default=420.0, metavar="S",
-                   help="stop starting new cells after S seconds (default: 420)")
+    p.add_argument("--budget-s", type=float, default=330.0, metavar="S",
+                   help="start no kernel config after S seconds (default: 330)")
     p.add_argument("--tiny", action="store_true",
                    help="tiny shapes in Pallas interpret mode (checks the script on a CPU)")
     return p
@@ -311,11 +374,17 @@ def main(argv=None) -> int:
         for name, (k, n) in SHAPES[model].items():
             if a.shapes and name not in a.shapes.split(","):
                 continue
-            bench_shape(run, model, name, k, n, rows, a.sweep, ceil_bw, log_rows)
+            bench_shape(run, model, name, k, n, rows, a.sweep, ceil_bw)
     step_table(run, rows)
-    bad = [r for r in run.results if r.get("ok") is False
+    variant_table(run)
+    bad = [r for r in run.results if (r.get("ok") is False and "error" not in r)
            or (r.get("ref_err") is not None and r["ref_err"] > 2e-2)]
-    print(f"\nchecks: {'PASS' if not bad else f'{len(bad)} FAILED'}; "
+    failed = [r for r in run.results if "error" in r]
+    for r in failed[:10]:
+        print(f"  did not run: {r['model']} {r['shape']} M {r['m']} {r['variant']} "
+              f"{_cfg_str(r['config'])}: {r['error']}")
+    print(f"\nchecks: {'PASS' if not bad else f'{len(bad)} FAILED'}; configs that did not "
+          f"run: {len(failed)}; "
           f"skipped (budget): {len(run.skipped)}; total {time.time() - run.t0:.0f} s")
     for s in run.skipped[:20]:
         print("  skipped:", s)

@@ -337,6 +337,10 @@ def _chunk(k: int, fmt: str, block_k: int) -> int:
 
 def _blocks(m: int, k: int, n: int, fmt: str, given: dict) -> QuantBlocks:
     """`default_blocks` with the caller's settings (those not None) put in, checked."""
+    unknown = set(given) - {f.name for f in dataclasses.fields(QuantBlocks)}
+    if unknown:
+        raise ValueError(f"unknown block settings {sorted(unknown)}; QuantBlocks has "
+                         f"{[f.name for f in dataclasses.fields(QuantBlocks)]}")
     b = dataclasses.replace(default_blocks(m, k, n, fmt),
                             **{f: v for f, v in given.items() if v is not None})
     c = _chunk(k, fmt, b.block_k)
@@ -355,16 +359,14 @@ def _blocks(m: int, k: int, n: int, fmt: str, given: dict) -> QuantBlocks:
     return b
 
 
-def quant_matmul(x, q, scale, *, fmt: str, layer=None, block_m: int | None = None,
-                 block_n: int | None = None, block_k: int | None = None,
-                 split_k: int | None = None, num_warps: int | None = None,
-                 num_stages: int | None = None, unpack: str | None = None,
-                 interpret: bool = False):
+def quant_matmul(x, q, scale, *, fmt: str, layer=None, interpret: bool = False,
+                 **blocks):
     """`quant_matmul_reference` as one Pallas (Triton) kernel (plus an XLA sum of the k
     splits' partials where split_k > 1). x [..., k] bf16 or fp32; q, scale from `quantize`
     of a [k, n] weight, or with layer (an int, traced or not) of stacked [L, k, n] weights,
-    whose layer `layer` the kernel reads in place (no slice copied). Block settings left
-    None come from `default_blocks`. Returns [..., n] in x's dtype."""
+    whose layer `layer` the kernel reads in place (no slice copied). blocks: `QuantBlocks`
+    fields (block_m, block_n, block_k, split_k, num_warps, num_stages, unpack); those
+    not given (or None) come from `default_blocks`. Returns [..., n] in x's dtype."""
     *lead, k = x.shape
     _check_shapes(k, q, scale, fmt, stacked=layer is not None)
     if layer is None:
@@ -372,9 +374,7 @@ def quant_matmul(x, q, scale, *, fmt: str, layer=None, block_m: int | None = Non
     n = q.shape[-1]
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
-    b = _blocks(m, k, n, fmt, dict(block_m=block_m, block_n=block_n, block_k=block_k,
-                                   split_k=split_k, num_warps=num_warps,
-                                   num_stages=num_stages, unpack=unpack))
+    b = _blocks(m, k, n, fmt, blocks)
     s3 = scale.reshape(scale.shape[0], 1, n) if fmt == "int8" else scale
     li = jnp.asarray(layer, jnp.int32).reshape(1)
     out_dtype = x.dtype if b.split_k == 1 else jnp.float32

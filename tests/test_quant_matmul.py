@@ -184,6 +184,8 @@ def test_bad_inputs_raise():
         quant_matmul(x, q8, s8, fmt="int8", block_n=48)
     with pytest.raises(ValueError, match="unpack"):
         quant_matmul(x, q8, s8, fmt="int8", unpack="ptx")
+    with pytest.raises(ValueError, match="unknown block settings"):
+        quant_matmul(x, q8, s8, fmt="int8", block_size=64)
     assert QuantBlocks(16, 64, 64, 1, 4, 3).unpack == "jnp"
 
 
@@ -196,3 +198,19 @@ def test_lowers_for_cuda(fmt, kw):
     txt = lower_cuda(functools.partial(quant_matmul, fmt=fmt, **kw),
                      sd((1, k), jnp.bfloat16), *qs)
     assert "xla.gpu.triton" in txt
+
+
+@pytest.mark.slow
+def test_benchmark_runs_tiny(capsys, tmp_path, monkeypatch):
+    """benchmarks/quant_matmul.py end to end on tiny shapes in interpret mode (numbers
+    mean nothing on the CPU): its checks pass, its tables print, its JSON is written."""
+    import json
+
+    from benchmarks import quant_matmul as bench
+
+    monkeypatch.setenv("OUT", str(tmp_path))
+    assert bench.main(["--tiny", "--sweep", "none"]) == 0
+    out = capsys.readouterr().out
+    assert "checks: PASS" in out and "| tiny | 16 |" in out and "change from the default" in out
+    res = json.loads((tmp_path / "quant_matmul.json").read_text())["results"]
+    assert {r["variant"] for r in res} == {"bf16", "xla-int8", "xla-int4", "int8", "int4"}
