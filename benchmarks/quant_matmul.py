@@ -3,18 +3,21 @@
 SmolLM2, one GPU.
 
     PYTHONPATH=. python3 -m benchmarks.quant_matmul [--models qwen3-8b,smollm2]
-        [--rows 1,8,16,64,128,256] [--sweep small] [--budget-s 420] [--tiny]
+        [--rows 1,8,16,64,128,256] [--sweep none|small|full] [--budget-s 330] [--tiny]
 
-First a read ceiling (a fused read-only reduction over 4 GiB, in a jitted loop). Then for
-each weight shape (k x n), row count M and format: bf16 `jnp.dot`, XLA's dequantize-then-
-dot and the kernel with each block config of the sweep (`configs`), every one timed in a
-jitted `fori_loop` that walks C copies of the weight (C x the bf16 bytes >= 512 MiB, at
-most 16 copies, so L2 holds none but the smallest shapes: their rows say "L2"). Each
-kernel run is checked: its checksum (every row, ~64 columns, all iterations) against XLA's
-dequantize-then-dot, and the default config against `quant_matmul_reference` at the
-smallest and largest M. Prints one table (time, GB/s of the bytes read, fraction of the
-read ceiling, speed vs bf16, best config) and the matmul time of a whole draft step (every
-layer's four matmuls and the LM head) per M; writes quant_matmul.json to $OUT when set.
+First a read ceiling (a fused read-only reduction over 4 GiB, in a jitted loop). Then,
+for each weight shape (k x n) and row count M: bf16 `jnp.dot`, XLA's dequantize-then-dot
+(at M 1, 8, 64) and the kernel in both formats, every one timed in a jitted `fori_loop`
+that walks C copies of the weight (C x the bf16 bytes >= 512 MiB, at most 16 copies, so
+L2 holds none but the smallest shapes: their rows say "L2"). Pass 1 times every cell's
+default config and its other unpack setting; pass 2 the sweep's variants (`configs`:
+Qwen3-8B at M 1, 16, 256 with "small"). Checks: every kernel run's checksum (every row,
+~64 columns, all iterations) against XLA's dequantize-then-dot or else the default
+config's, and the default config against `quant_matmul_reference` at the smallest and
+largest M. Prints a row per cell and format (time, GB/s of the bytes read, fraction of
+the read ceiling, speed vs bf16, best config), a draft step's matmul time (every layer's
+four and the LM head) per M, and per (format, M) the best changes from the default;
+writes quant_matmul.json to $OUT when set; starts no kernel config after --budget-s.
 --tiny: tiny shapes in Pallas interpret mode, to check the script on a CPU (numbers mean
 nothing there)."""
 
@@ -32,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pallas_kernels.quant_matmul import (FORMATS, GEMV_ROWS, default_blocks, dequantize,
+from pallas_kernels.quant_matmul import (FORMATS, default_blocks, dequantize,
                                          group_size, quant_matmul,
                                          quant_matmul_reference, quantize)
 
@@ -59,6 +62,7 @@ class Run:
     t0: float = dataclasses.field(default_factory=time.time)
     results: list = dataclasses.field(default_factory=list)
     skipped: list = dataclasses.field(default_factory=list)
+    sums: dict = dataclasses.field(default_factory=dict)  # checksums kernels must match
 
     def left(self) -> float:
         return self.budget_s - (time.time() - self.t0)
@@ -132,27 +136,23 @@ SWEEP_ROWS = (1, 16, 256)  # the row counts where "small" sweeps (Qwen3-8B's sha
 
 def configs(m: int, k: int, n: int, fmt: str, sweep: str, model: str = "") -> list[dict]:
     """The default block config first, then variants: "none" adds none; "small" adds the
-    same config with inline-PTX unpacking everywhere, and at Qwen3-8B's shapes and M in
-    SWEEP_ROWS a few one-at-a-time changes (GEMV rows for few rows, columns, k splits,
-    warps, row blocks); "full" adds those at every shape and M. Invalid ones (k block not
-    dividing k, splits not dividing the k steps) are dropped."""
+    other unpack setting everywhere, and at Qwen3-8B's shapes and M in SWEEP_ROWS a few
+    one-at-a-time changes (columns, k block, k splits, warps, stages, row blocks); "full"
+    adds those at every shape and M. Invalid ones are dropped."""
     d = dataclasses.asdict(default_blocks(m, k, n, fmt))
-    var = [] if sweep == "none" else [dict(unpack="asm")]
+    var = [] if sweep == "none" else [dict(unpack="jnp" if d["unpack"] == "asm" else "asm")]
     if sweep == "full" or (sweep == "small" and model == "qwen3-8b" and m in SWEEP_ROWS):
-        if m <= 8:
-            gm = next(r for r in GEMV_ROWS if r >= m)
-            var += [dict(block_m=gm), dict(block_m=gm, unpack="asm"),
-                    dict(block_m=gm, block_n=64, unpack="asm")]
-        var += [dict(block_n=64 if d["block_n"] != 64 else 128), dict(num_warps=8),
-                dict(split_k=d["split_k"] * 2)]
+        var += [dict(block_n=64 if d["block_n"] != 64 else 128), dict(block_n=256),
+                dict(block_k=d["block_k"] // 2), dict(num_warps=8),
+                dict(split_k=d["split_k"] * 2), dict(split_k=max(1, d["split_k"] // 2)),
+                dict(num_stages=3)]
         if m > 16:
-            var += [dict(block_m=128 if d["block_m"] != 128 else 64), dict(num_stages=3)]
+            var += [dict(block_m=128 if d["block_m"] != 128 else 64)]
     out = [d]
-    g = group_size(k) if fmt == "int4" else 1
+    g = group_size(k) if fmt == "int4" else 16
     for v in var:
         c = {**d, **v}
-        chunk = g if fmt == "int4" else min(c["block_k"], 64)
-        ok = (k % c["block_k"] == 0 and c["block_k"] % chunk == 0
+        ok = (k % c["block_k"] == 0 and c["block_k"] % g == 0 and c["block_k"] >= 16
               and (k // c["block_k"]) % c["split_k"] == 0)
         if ok and c not in out:
             out.append(c)
@@ -187,49 +187,79 @@ def weights_for(k: int, n: int, copies: int):
     return [w[c] for c in range(copies)], quant
 
 
-def time_kernel(run: Run, fmt, c, x, quant, n_it, copies, xla_sum):
-    """(seconds a call, checksum ok) of the kernel with config c; (None, error) if it
-    fails to compile or run."""
+def time_kernel(run: Run, fmt, c, x, quant, n_it, copies, want):
+    """(seconds a call, checksum) of the kernel with config c; (None, error) if it fails to
+    compile or run; want: the checksum to match (XLA's or the default config's), or None."""
     try:
         f = kernel_loop(fmt, c, n_it, copies, run.tiny)
         t = timeit(f, x, *quant, calls=n_it * copies)
         cs = float(f(x, *quant))
     except Exception as e:  # noqa: BLE001 - a config that does not compile is a result
         return None, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
-    ok = xla_sum is None or abs(cs - xla_sum) <= 2e-2 * max(abs(xla_sum), 1.0)
-    return t, ok
+    return t, cs
 
 
-def bench_cell(run: Run, model, name, k, n, m, ws, quant, copies, n_it, sweep, ceil_bw,
-               rows):
-    """One (shape, M): bf16, XLA's dequantize-then-dot (at XLA_ROWS, or every M in tiny
-    mode) and the kernel's configs, both formats."""
-    x = jax.random.normal(jax.random.PRNGKey(m), (m, k), jnp.bfloat16)
-    base = dict(model=model, shape=name, k=k, n=n, m=m, copies=copies)
-    t = timeit(unrolled_loop(jnp.dot, n_it), x, ws, calls=n_it * copies)
-    bf16 = dict(base, variant="bf16", us=t * 1e6, gbps=bytes_read(None, m, k, n) / t / 1e9)
-    run.results.append(bf16)
+@dataclasses.dataclass
+class Cell:
+    """One (model, shape, M) and what its timings need: C weight copies (list of bf16 and
+    each format's stacked (q, scale)), x, iterations a timing loop."""
+
+    model: str
+    name: str
+    k: int
+    n: int
+    m: int
+    ws: list
+    quant: dict
+    copies: int
+    n_it: int
+
+    def base(self) -> dict:
+        return dict(model=self.model, shape=self.name, k=self.k, n=self.n, m=self.m,
+                    copies=self.copies)
+
+
+def baselines(run: Run, c: Cell, x):
+    """bf16's dot, and XLA's dequantize-then-dot at XLA_ROWS (every M in tiny mode), whose
+    checksums the kernel's must match."""
+    t = timeit(unrolled_loop(jnp.dot, c.n_it), x, c.ws, calls=c.n_it * c.copies)
+    run.results.append(dict(c.base(), variant="bf16", us=t * 1e6,
+                            gbps=bytes_read(None, c.m, c.k, c.n) / t / 1e9))
+    if not (run.tiny or c.m in XLA_ROWS):
+        return
     for fmt in FORMATS:
-        b = bytes_read(fmt, m, k, n)
-        xla_sum = None
-        if run.tiny or m in XLA_ROWS:
-            qs = [(quant[fmt][0][c], quant[fmt][1][c]) for c in range(copies)]
-            xla = unrolled_loop(functools.partial(xla_dequant_dot, fmt=fmt), n_it)
-            t = timeit(xla, x, qs, calls=n_it * copies)
-            xla_sum = float(xla(x, qs))
-            run.results.append(dict(base, variant=f"xla-{fmt}", us=t * 1e6, gbps=b / t / 1e9))
-        err = (check_reference(fmt, x, *quant[fmt], run.tiny)
-               if m in (rows[0], rows[-1]) else None)
-        for c in configs(m, k, n, fmt, sweep, model):
+        qs = [(c.quant[fmt][0][i], c.quant[fmt][1][i]) for i in range(c.copies)]
+        xla = unrolled_loop(functools.partial(xla_dequant_dot, fmt=fmt), c.n_it)
+        t = timeit(xla, x, qs, calls=c.n_it * c.copies)
+        run.sums[c.model, c.name, c.m, fmt] = float(xla(x, qs))
+        run.results.append(dict(c.base(), variant=f"xla-{fmt}", us=t * 1e6,
+                                gbps=bytes_read(fmt, c.m, c.k, c.n) / t / 1e9))
+
+
+def bench_cell(run: Run, c: Cell, cfgs: dict, ceil_bw: float, check: bool):
+    """The kernel's configs (cfgs: format -> configs) at one cell; check: the default
+    config against `quant_matmul_reference` too."""
+    x = jax.random.normal(jax.random.PRNGKey(c.m), (c.m, c.k), jnp.bfloat16)
+    bf16 = next(r for r in run.results if r["variant"] == "bf16"
+                and (r["model"], r["shape"], r["m"]) == (c.model, c.name, c.m))
+    for fmt, fmt_cfgs in cfgs.items():
+        b, key = bytes_read(fmt, c.m, c.k, c.n), (c.model, c.name, c.m, fmt)
+        err = check_reference(fmt, x, *c.quant[fmt], run.tiny) if check else None
+        for cfg in fmt_cfgs:
             if run.left() < 0:
-                run.skipped.append(f"{model} {name} M {m} {fmt} {_cfg_str(c)}")
+                run.skipped.append(f"{c.model} {c.name} M {c.m} {fmt} {_cfg_str(cfg)}")
                 continue
-            t, ok = time_kernel(run, fmt, c, x, quant[fmt], n_it, copies, xla_sum)
-            r = dict(base, variant=fmt, config=c, ok=ok is True, ref_err=err,
-                     default=c == configs(m, k, n, fmt, "none")[0],
-                     l2=copies * b < 2 * L2_BYTES)
+            t, cs = time_kernel(run, fmt, cfg, x, c.quant[fmt], c.n_it, c.copies,
+                                run.sums.get(key))
+            default = cfg == configs(c.m, c.k, c.n, fmt, "none")[0]
+            if t is not None and default:
+                run.sums.setdefault(key, cs)  # no XLA run here: later configs match this
+            want = run.sums.get(key)
+            r = dict(c.base(), variant=fmt, config=cfg, ref_err=err, default=default,
+                     l2=c.copies * b < 2 * L2_BYTES,
+                     ok=t is not None and abs(cs - want) <= 2e-2 * max(abs(want), 1.0))
             if t is None:
-                r.update(us=float("inf"), gbps=0.0, frac=0.0, vs_bf16=0.0, error=ok)
+                r.update(us=float("inf"), gbps=0.0, frac=0.0, vs_bf16=0.0, error=cs)
             else:
                 r.update(us=t * 1e6, gbps=b / t / 1e9, frac=b / t / ceil_bw,
                          vs_bf16=bf16["us"] / (t * 1e6))
@@ -237,16 +267,25 @@ def bench_cell(run: Run, model, name, k, n, m, ws, quant, copies, n_it, sweep, c
             err = None  # checked once, with the default config
 
 
-def bench_shape(run: Run, model, name, k, n, rows, sweep, ceil_bw):
-    """All rows of one weight shape (C copies of it, C x bf16 bytes >= COPY_BYTES)."""
+def bench_shape(run: Run, model, name, rows, sweep, ceil_bw, first: bool):
+    """One weight shape at every M of rows (C copies of it, C x bf16 bytes >= COPY_BYTES).
+    first pass: the baselines, the default config and its other unpack setting; second:
+    the rest of the sweep's configs."""
+    k, n = SHAPES[model][name]
     copies = 2 if run.tiny else max(1, min(MAX_COPIES, -(-COPY_BYTES // (2 * k * n))))
     ws, quant = weights_for(k, n, copies)
     n_it = 2 if run.tiny else max(2, min(200, int(4e-3 * ceil_bw / (copies * k * n))))
     for m in rows:
-        if run.left() < 0:
-            run.skipped.append(f"{model} {name} M {m}")
+        cfgs = {fmt: configs(m, k, n, fmt, sweep, model) for fmt in FORMATS}
+        cfgs = {fmt: cs[:2] if first else cs[2:] for fmt, cs in cfgs.items()}
+        if run.left() < 0 or not any(cfgs.values()):
+            if run.left() < 0:
+                run.skipped.append(f"{model} {name} M {m}")
             continue
-        bench_cell(run, model, name, k, n, m, ws, quant, copies, n_it, sweep, ceil_bw, rows)
+        c = Cell(model, name, k, n, m, ws, quant, copies, n_it)
+        if first:
+            baselines(run, c, jax.random.normal(jax.random.PRNGKey(m), (m, k), jnp.bfloat16))
+        bench_cell(run, c, cfgs, ceil_bw, check=first and m in (rows[0], rows[-1]))
         log_rows(run, model, name, m)
     del ws, quant
 
@@ -254,6 +293,12 @@ def bench_shape(run: Run, model, name, k, n, rows, sweep, ceil_bw):
 def _cfg_str(c: dict) -> str:
     return (f"m{c['block_m']} n{c['block_n']} k{c['block_k']} s{c['split_k']} "
             f"w{c['num_warps']} st{c['num_stages']} {c['unpack']}")
+
+
+def _header():
+    print("| model | shape | M | fmt | bf16 µs | XLA deq µs | kernel default µs | best µs | "
+          "GB/s | of ceiling | x bf16 | best config | check | at |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def log_rows(run: Run, model, name, m):
@@ -367,14 +412,17 @@ def main(argv=None) -> int:
     ceil_bw = read_ceiling(a.tiny)
     print(f"read ceiling: {ceil_bw / 1e12:.3f} TB/s (fused sum over "
           f"{'1 MiB' if a.tiny else '4 GiB'})")
-    print("| model | shape | M | fmt | bf16 µs | XLA deq µs | kernel default µs | best µs | "
-          "GB/s | of ceiling | x bf16 | best config | check | at |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for model in models:
-        for name, (k, n) in SHAPES[model].items():
-            if a.shapes and name not in a.shapes.split(","):
-                continue
-            bench_shape(run, model, name, k, n, rows, a.sweep, ceil_bw)
+    _header()
+    for first in (True, False):  # every cell's defaults first, then the sweep's variants
+        print("== pass 1: baselines, defaults" if first else "== pass 2: the sweep's variants")
+        for model in models:
+            for name in SHAPES[model]:
+                if not a.shapes or name in a.shapes.split(","):
+                    bench_shape(run, model, name, rows, a.sweep, ceil_bw, first)
+    print("\n== every cell, best of both passes")
+    _header()
+    for model, name, m in dict.fromkeys((r["model"], r["shape"], r["m"]) for r in run.results):
+        log_rows(run, model, name, m)
     step_table(run, rows)
     variant_table(run)
     bad = [r for r in run.results if (r.get("ok") is False and "error" not in r)

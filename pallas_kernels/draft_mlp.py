@@ -12,8 +12,9 @@ activation): drafts only, whose tokens the verify checks.
 
 Shapes: x [m, h]; w_gate_up [h, 2f] (gate columns, then up columns); out [m, f]. With
 fmt ("int8" or "int4", `quant_matmul`'s formats) w_gate_up and scale are `quantize`'s
-(q, scale) of that weight: the packed weights are read once and dequantized in registers
-(int4's group scale on each group's products, int8's column scale on the sums).
+(q, scale) of that weight (q stored transposed): the packed weights are read once and
+dequantized in registers (int4's group scale on each group's products, int8's column
+scale on the sums).
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ def norm_gate_up_reference(x, w_gate_up, *, eps: float, scale=None, fmt: str | N
     r = lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)  # [m, 1]
     w = dequantize(w_gate_up, scale, fmt) if fmt else w_gate_up.astype(jnp.float32)
     gu = jnp.einsum("mh,hn->mn", xf, w, precision=lax.Precision.HIGHEST) * r
-    f = w_gate_up.shape[-1] // 2
+    f = w.shape[-1] // 2
     return (jax.nn.silu(gu[:, :f]) * gu[:, f:]).astype(x.dtype)
 
 
@@ -112,8 +113,8 @@ def _kernel(x_ref, w_ref, o_ref, *, m, h, f, eps, block_m, block_k, block_n):
 
 def _quant_kernel(x_ref, w_ref, s_ref, o_ref, *, fmt, m, h, f, eps, block_m, block_k,
                   block_n, asm):
-    # x_ref [m, h]; w_ref [h, 2f] int8 or [h/2, 2f] uint8 (int4, groups of g rows);
-    # s_ref [1, 2f] fp32 (int8) or [h/g, 2f] bf16 (int4); o_ref [m, f]
+    # x_ref [m, h]; w_ref [2f, h] int8 or [2f, h/2] uint8 (int4, groups of g; the formats'
+    # transposed storage); s_ref [1, 2f] fp32 (int8) or [h/g, 2f] bf16 (int4); o_ref [m, f]
     i, j = pl.program_id(0), pl.program_id(1)
     rows = pl.ds(i * block_m, block_m)
     ok = (i * block_m + jnp.arange(block_m) < m)[:, None]  # [bm, 1]
@@ -121,26 +122,29 @@ def _quant_kernel(x_ref, w_ref, s_ref, o_ref, *, fmt, m, h, f, eps, block_m, blo
     g = group_size(h) if fmt == "int4" else block_k
     cdt = x_ref.dtype  # the weights' integers are exact in bf16
 
+    def xs(k0, width):
+        xb = pltr.load(x_ref.at[rows, pl.ds(k0, width)], mask=ok, other=0.0)  # [bm, width]
+        xf = xb.astype(jnp.float32)
+        return xb, jnp.sum(xf * xf, axis=1)
+
     def step(kb, carry):
         acc_g, acc_u, ss = carry
-        for c in range(block_k // g):  # int4: one group at a time; int8: the whole block
+        if fmt == "int8":
+            xb, sq = xs(kb * block_k, block_k)
+            wg, wu = (unpack_int8(w_ref[cols, pl.ds(kb * block_k, block_k)], cdt, asm)
+                      for cols in (gate, up))  # [bn, bk]
+            return (acc_g + dot(xb, wg, trans_b=True), acc_u + dot(xb, wu, trans_b=True),
+                    ss + sq)
+        for c in range(block_k // g):  # int4: a group at a time, scaled by its row
             k0 = kb * block_k + c * g
-            if fmt == "int8":
-                xb = pltr.load(x_ref.at[rows, pl.ds(k0, g)], mask=ok, other=0.0)
-                xf = xb.astype(jnp.float32)
-                acc_g += dot(xb, unpack_int8(w_ref[pl.ds(k0, g), gate], cdt, asm))
-                acc_u += dot(xb, unpack_int8(w_ref[pl.ds(k0, g), up], cdt, asm))
-                ss += jnp.sum(xf * xf, axis=1)
-                continue
-            xl = pltr.load(x_ref.at[rows, pl.ds(k0, g // 2)], mask=ok, other=0.0)
-            xh = pltr.load(x_ref.at[rows, pl.ds(k0 + g // 2, g // 2)], mask=ok, other=0.0)
+            (xl, sl), (xh, sh) = xs(k0, g // 2), xs(k0 + g // 2, g // 2)
+            ss = ss + sl + sh
             for cols, is_gate in ((gate, True), (up, False)):
-                lo, hi = unpack_int4(w_ref[pl.ds(k0 // 2, g // 2), cols], cdt, asm)
-                sc = s_ref[pl.ds(k0 // g, 1), cols].astype(jnp.float32)  # [1, bn]
-                prod = (dot(xl, lo) + dot(xh, hi)) * sc
+                b = w_ref[cols, pl.ds(kb * (block_k // 2) + c * (g // 2), g // 2)]
+                lo, hi = unpack_int4(b, cdt, asm)  # [bn, g/2]
+                sc = s_ref[pl.ds(kb * (block_k // g) + c, 1), cols].astype(jnp.float32)
+                prod = (dot(xl, lo, trans_b=True) + dot(xh, hi, trans_b=True)) * sc
                 acc_g, acc_u = (acc_g + prod, acc_u) if is_gate else (acc_g, acc_u + prod)
-            xlf, xhf = xl.astype(jnp.float32), xh.astype(jnp.float32)
-            ss += jnp.sum(xlf * xlf, axis=1) + jnp.sum(xhf * xhf, axis=1)
         return acc_g, acc_u, ss
 
     zero = jnp.zeros((block_m, block_n), jnp.float32)
@@ -166,9 +170,9 @@ def one_wave(t: MlpTile, m: int, f: int) -> MlpTile:
 
 
 def _check_weights(h: int, w_gate_up, scale, fmt: str | None) -> int:
-    """f, the output width, of a [h, 2f] weight (fmt: its quantized q and scale)."""
-    f = w_gate_up.shape[-1] // 2
+    """f, the output width, of a [h, 2f] weight (fmt: `quantize`'s q and scale of it)."""
     if fmt is None:
+        f = w_gate_up.shape[-1] // 2
         if w_gate_up.shape != (h, 2 * f):
             raise ValueError(f"w_gate_up must be [{h}, 2f], got {w_gate_up.shape}")
         return f
@@ -176,9 +180,11 @@ def _check_weights(h: int, w_gate_up, scale, fmt: str | None) -> int:
         raise ValueError(f"fmt must be None or one of {FORMATS}, got {fmt!r}")
     if fmt == "int4" and h % 64:
         raise ValueError(f"hidden {h} must be a multiple of 64 for int4")
-    rows, srows = (h, 1) if fmt == "int8" else (h // 2, h // group_size(h))
-    if w_gate_up.shape != (rows, 2 * f):
-        raise ValueError(f"w_gate_up must be [{rows}, 2f] for {fmt}, got {w_gate_up.shape}")
+    f = w_gate_up.shape[0] // 2
+    cols, srows = (h, 1) if fmt == "int8" else (h // 2, h // group_size(h))
+    if w_gate_up.shape != (2 * f, cols):
+        raise ValueError(f"w_gate_up must be [2f, {cols}] for {fmt} (`quantize`'s "
+                         f"transposed q), got {w_gate_up.shape}")
     if scale is None or scale.size != srows * 2 * f:
         raise ValueError(f"scale must be [{'' if fmt == 'int8' else str(srows) + ', '}"
                          f"{2 * f}] for {fmt}, got "
@@ -189,8 +195,9 @@ def _check_weights(h: int, w_gate_up, scale, fmt: str | None) -> int:
 def norm_gate_up(x, w_gate_up, *, eps: float, scale=None, fmt: str | None = None,
                  tile: MlpTile | None = None, interpret: bool = False):
     """`norm_gate_up_reference` as one Pallas (Triton) kernel. x [m, h], w_gate_up [h, 2f],
-    or with fmt (`quant_matmul.FORMATS`) `quantize`'s q and scale of that weight; h must
-    be a multiple of 16 (int4: 64) and f of 16 (`tile_for`). tile: None for `MlpTile()`
+    or with fmt (`quant_matmul.FORMATS`) `quantize`'s q ([2f, h] int8, [2f, h/2] uint8)
+    and scale of that weight; h must be a multiple of 16 (int4: 64) and f of 16
+    (`tile_for`). tile: None for `MlpTile()`
     with its columns widened to one wave (`one_wave`); a given tile is used as it is.
     Returns [m, f] in x's dtype."""
     m, h = x.shape

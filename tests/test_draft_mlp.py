@@ -140,8 +140,8 @@ def test_bad_shapes_raise():
 def test_lowers_for_cuda(fmt, unpack):
     sd = jax.ShapeDtypeStruct
     w = {None: (sd((576, 3072), jnp.bfloat16), None),
-         "int8": (sd((576, 3072), jnp.int8), sd((3072,), jnp.float32)),
-         "int4": (sd((288, 3072), jnp.uint8), sd((9, 3072), jnp.bfloat16))}[fmt]
+         "int8": (sd((3072, 576), jnp.int8), sd((3072,), jnp.float32)),
+         "int4": (sd((3072, 288), jnp.uint8), sd((9, 3072), jnp.bfloat16))}[fmt]
     def fn(x, q, s=None):
         return norm_gate_up(x, q, eps=1e-6, scale=s, fmt=fmt, tile=MlpTile(unpack=unpack))
 
