@@ -9,6 +9,7 @@ import pytest
 
 from pallas_kernels.draft_mlp import (MlpTile, norm_gate_up, norm_gate_up_reference, one_wave,
                                       tile_for)
+from pallas_kernels.quant_matmul import dequantize, quantize
 from tests.cuda import lower_cuda
 
 
@@ -44,10 +45,64 @@ def test_norm_gate_up_matches_reference(case):
                                rtol=tol, atol=tol)
 
 
+# (m, h, f, fmt, dtype, tile): SmolLM2's widths (h 576: int4 groups of 64), groups of 128
+# (h 256), several groups a k block, rows past the row tile, the "asm" setting (its jnp
+# equivalent in interpret mode)
+QCASES = [
+    (8, 576, 96, "int8", jnp.bfloat16, None),
+    (8, 576, 96, "int4", jnp.bfloat16, None),
+    (70, 256, 32, "int4", jnp.float32, MlpTile(block_m=64, block_k=256, block_n=32)),
+    (5, 128, 48, "int8", jnp.float32, MlpTile(block_m=16, block_k=32, block_n=16,
+                                               unpack="asm")),
+    (3, 192, 16, "int4", jnp.float32, MlpTile(block_m=16, block_k=64, block_n=16,
+                                               unpack="asm")),
+]
+
+
+@pytest.mark.parametrize("case", QCASES, ids=[f"q{i}" for i in range(len(QCASES))])
+def test_quantized_weights_match_the_reference(case):
+    m, h, f, fmt, dtype, tile = case
+    k1, k2 = jax.random.split(jax.random.PRNGKey(m + h + f))
+    x = (jax.random.normal(k1, (m, h)) * jnp.linspace(0.1, 3.0, m)[:, None]).astype(dtype)
+    q, s = quantize(jax.random.normal(k2, (h, 2 * f)) * 0.1, fmt)
+    ref = norm_gate_up_reference(x, q, eps=1e-6, scale=s, fmt=fmt)
+    out = jax.jit(functools.partial(norm_gate_up, eps=1e-6, fmt=fmt, tile=tile,
+                                    interpret=True))(x, q, scale=s)
+    assert out.shape == (m, f) and out.dtype == dtype
+    tol = 2e-2 if dtype == jnp.bfloat16 else 1e-5
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32),
+                               rtol=tol, atol=tol)
+    # the quantized reference is the unquantized one on the dequantized weight
+    w = dequantize(q, s, fmt)
+    np.testing.assert_array_equal(np.asarray(ref), np.asarray(norm_gate_up_reference(
+        x, w, eps=1e-6)))
+
+
+def test_quantized_bad_inputs_raise():
+    x = jnp.zeros((4, 128))
+    q4, s4 = quantize(jnp.ones((128, 64)), "int4")
+    q8, s8 = quantize(jnp.ones((128, 64)), "int8")
+    with pytest.raises(ValueError, match="fmt"):
+        norm_gate_up(x, q8, eps=1e-6, scale=s8, fmt="fp8", interpret=True)
+    with pytest.raises(ValueError, match="scale must be"):
+        norm_gate_up(x, q8, eps=1e-6, fmt="int8", interpret=True)
+    with pytest.raises(ValueError, match="w_gate_up must be"):
+        norm_gate_up(x, q8, eps=1e-6, scale=s8, fmt="int4", interpret=True)
+    with pytest.raises(ValueError, match="scale must be"):
+        norm_gate_up(x, q4, eps=1e-6, scale=s4[:, :8], fmt="int4", interpret=True)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        norm_gate_up(jnp.zeros((4, 96)), q4, eps=1e-6, scale=s4, fmt="int4",
+                     interpret=True)
+
+
 def test_tile_for_shrinks_blocks_to_divide_the_widths():
     assert tile_for(576, 1536) == MlpTile()
     assert tile_for(48, 80, MlpTile(block_k=64, block_n=64)) == MlpTile(block_k=16, block_n=16)
     assert tile_for(40, 64) is None  # no block of 16+ divides 40
+    # int4: k blocks of whole groups
+    assert tile_for(4096, 1536, fmt="int4").block_k == 128
+    assert tile_for(576, 1536, MlpTile(block_k=256), fmt="int4").block_k == 64
+    assert tile_for(96, 16, fmt="int4") is None
 
 
 def test_one_wave_widens_columns_until_the_grid_fits_the_sms(monkeypatch):
@@ -80,8 +135,15 @@ def test_bad_shapes_raise():
         norm_gate_up(jnp.zeros((4, 64)), jnp.zeros((48, 64)), eps=1e-6, interpret=True)
 
 
-def test_lowers_for_cuda():
+@pytest.mark.parametrize("fmt,unpack", [(None, "jnp"), ("int8", "jnp"), ("int8", "asm"),
+                                        ("int4", "jnp"), ("int4", "asm")])
+def test_lowers_for_cuda(fmt, unpack):
     sd = jax.ShapeDtypeStruct
-    txt = lower_cuda(functools.partial(norm_gate_up, eps=1e-6),
-                     sd((64, 576), jnp.bfloat16), sd((576, 3072), jnp.bfloat16))
+    w = {None: (sd((576, 3072), jnp.bfloat16), None),
+         "int8": (sd((3072, 576), jnp.int8), sd((3072,), jnp.float32)),
+         "int4": (sd((3072, 288), jnp.uint8), sd((9, 3072), jnp.bfloat16))}[fmt]
+    def fn(x, q, s=None):
+        return norm_gate_up(x, q, eps=1e-6, scale=s, fmt=fmt, tile=MlpTile(unpack=unpack))
+
+    txt = lower_cuda(fn, sd((64, 576), jnp.bfloat16), w[0], *([w[1]] if fmt else []))
     assert "xla.gpu.triton" in txt
