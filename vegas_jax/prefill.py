@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from vegas_jax.attention import CAUSAL, PROMPT, AttnPlan, Capture
+from vegas_jax.attention import PROMPT, PROMPT_CHUNK, AttnPlan, Capture
 from vegas_jax.cache import KVCache, init_cache
 from vegas_jax.config import ModelConfig
 from vegas_jax.execution import ExecConfig, model_jit
@@ -170,7 +170,7 @@ def prefill(params, cfg: ModelConfig, xc: ExecConfig, tokens, lens, cache: KVCac
             pos = c * chunk + jnp.broadcast_to(jnp.arange(chunk, dtype=jnp.int32), (b, chunk))
             here = jnp.clip(at - c * chunk, 0, chunk - 1)
             logits, cache, _ = forward(params, cfg, xc, toks, pos, cache,
-                                       PROMPT if n == 1 else CAUSAL, logits_at=here,
+                                       PROMPT if n == 1 else PROMPT_CHUNK, logits_at=here,
                                        on_layer=on_layer)
             mine = at // chunk == c  # this slice holds the prompt's last token
             return (cache, jnp.where(mine[:, None], logits[:, 0], last)), None
