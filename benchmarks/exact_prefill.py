@@ -39,6 +39,11 @@ import time
 import numpy as np
 
 RESULTS: list = []  # rows of this run (module state of a script, never of the package)
+DEADLINE = [float("inf")]  # time.time() past which --quick skips what is left
+
+
+def out_of_time() -> bool:
+    return time.time() > DEADLINE[0]
 
 
 def log_row(**row):
@@ -101,7 +106,8 @@ def attention_rows_check(blocks, t, kh, g, d, interpret, chunks):
     return same_bits(alone, batch), same_bits(alone, chunked)
 
 
-def quick_attention(smoke: bool, interpret: bool, sweep: list):
+def quick_attention(smoke: bool, interpret: bool, sweep: list, impls: bool = True):
+    """The rows check and the implementations' times (impls), then the `sweep`."""
     import jax
     import jax.numpy as jnp
 
@@ -111,27 +117,29 @@ def quick_attention(smoke: bool, interpret: bool, sweep: list):
 
     kh, g, d = (2, 4, 32) if smoke else (8, 4, 128)
     t_check, chunks = (192, (40, 100, 52)) if smoke else (4096, (1000, 2000, 1096))
-    eq_b, eq_c = attention_rows_check(INVARIANT_PREFILL, t_check, kh, g, d, interpret, chunks)
-    log_row(kind="attn_rows", blocks=label(INVARIANT_PREFILL), t=t_check, chunks=chunks,
-            alone_eq_batch=eq_b, alone_eq_chunked=eq_c)
+    if impls:
+        eq_b, eq_c = attention_rows_check(INVARIANT_PREFILL, t_check, kh, g, d, interpret,
+                                          chunks)
+        log_row(kind="attn_rows", blocks=label(INVARIANT_PREFILL), t=t_check, chunks=chunks,
+                alone_eq_batch=eq_b, alone_eq_chunked=eq_c)
 
     t = 256 if smoke else 32768
     q, kc, vc = attention_inputs(jax.random.PRNGKey(1), 1, t, t, kh, g, d)
     pos = jnp.arange(t, dtype=jnp.int32)[None]
     flops = 4.0 * kh * g * d * t * t / 2
-    impls = {
+    timed_impls = {
         "exact prefill (INVARIANT_PREFILL)": lambda q, kc, vc, pos: verify_attention(
             q, kc, vc, jnp.int32(0), pos, blocks=INVARIANT_PREFILL, interpret=interpret)[0],
         "default Pallas prefill": lambda q, kc, vc, pos: verify_attention(
             q, kc, vc, jnp.int32(0), pos, interpret=interpret)[0],
     }
     if not interpret:
-        impls["cuDNN (default)"] = lambda q, kc, vc, pos: cudnn_attention(q, kc, vc,
+        timed_impls["cuDNN (default)"] = lambda q, kc, vc, pos: cudnn_attention(q, kc, vc,
                                                                           jnp.int32(0))
-    impls["old exact (splits of 1024)"] = lambda q, kc, vc, pos: verify_attention(
+    timed_impls["old exact (splits of 1024)"] = lambda q, kc, vc, pos: verify_attention(
         q, kc, vc, jnp.int32(0), pos, blocks=INVARIANT, interpret=interpret)[0]
     ref = None
-    for name, fn in impls.items():
+    for name, fn in timed_impls.items() if impls else ():
         try:
             f = jax.jit(fn)
             out = f(q, kc, vc, pos)
@@ -144,6 +152,9 @@ def quick_attention(smoke: bool, interpret: bool, sweep: list):
             log_row(kind="attn_time", impl=name, t=t, error=repr(e)[:300])
     for over in sweep:
         blocks = dataclasses.replace(INVARIANT_PREFILL, **over)
+        if out_of_time():
+            log_row(kind="attn_sweep", blocks=over, t=t, error="skipped: budget spent")
+            continue
         try:
             f = jax.jit(lambda q, kc, vc, pos, b=blocks: verify_attention(
                 q, kc, vc, jnp.int32(0), pos, blocks=b, interpret=interpret)[0])
@@ -180,6 +191,9 @@ def quick_matmul(smoke: bool, interpret: bool, model: str, tiles: list):
             log_row(kind="mm", shape=name, m=m, k=k, n=n, tile="cuBLAS", ms=sec * 1e3,
                     tflops=flops / sec / 1e12)
         for tile in [PREFILL_BLOCKS] + [MatmulBlocks(**o) for o in tiles]:
+            if out_of_time():
+                log_row(kind="mm", shape=name, tile=label(tile), error="skipped: budget spent")
+                continue
             try:
                 f = jax.jit(lambda x, w, b=tile: matmul(x, w, blocks=b, interpret=interpret))
                 sec = timed(f, x, w, reps=1 if smoke else 5)
@@ -371,11 +385,15 @@ def main(argv=None) -> int:
     if args.quick or args.smoke:
         import jax
 
+        DEADLINE[0] = time.time() + args.budget_s
         interpret = args.smoke or jax.default_backend() != "gpu"
-        for part in (lambda: quick_attention(args.smoke, interpret,
-                                             ATTN_SWEEP[:2] if args.smoke else ATTN_SWEEP),
+        # the checks and the chosen plans first, the sweeps after (the budget may cut them)
+        for part in (lambda: quick_attention(args.smoke, interpret, []),
                      lambda: quick_matmul(args.smoke, interpret, args.model,
-                                          MM_SWEEP[:1] if args.smoke else MM_SWEEP)):
+                                          MM_SWEEP[:1] if args.smoke else MM_SWEEP),
+                     lambda: quick_attention(args.smoke, interpret,
+                                             ATTN_SWEEP[:2] if args.smoke else ATTN_SWEEP,
+                                             impls=False)):
             try:
                 part()
             except Exception as e:  # noqa: BLE001 - the table shows what ran
