@@ -31,8 +31,9 @@ def equal_rows(a, b) -> tuple[int, int, float]:
 
 def components(model, xc, sizes):
     """RMSNorm and every GEMM of layer 0: row 0 computed among m rows vs alone."""
+    from vegas_jax.attention import AttnPlan
     from vegas_jax.execution import model_jit
-    from vegas_jax.model import linear, rms_norm
+    from vegas_jax.model import linear, rms_norm, row_invariant
 
     cfg, lp = model.config, model.params.layers
     lp = lp[0] if isinstance(lp, tuple) else jax.tree.map(lambda a: a[0], lp)
@@ -46,7 +47,7 @@ def components(model, xc, sizes):
     def run(x, w, xc, name):
         if name == "rms_norm":
             return rms_norm(x, None, cfg.rms_norm_eps)
-        return linear(x, w, xc.exact, xc, transpose_w=gemms[name][2])
+        return linear(x, w, row_invariant(xc, AttnPlan()), xc, transpose_w=gemms[name][2])
 
     rows = []
     key = jax.random.PRNGKey(0)

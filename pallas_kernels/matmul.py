@@ -27,13 +27,24 @@ from pallas_kernels.common import dot, whole
 class MatmulBlocks:
     """One tile for every call (that is what makes rows invariant): rows, k and columns of
     a program's block; Triton's warps and pipeline stages. block_k None: chosen from the
-    weight's k alone (`k_block`), never from the rows."""
+    weight's k alone (`k_block`), never from the rows. group_m: 0 runs a (row block,
+    column block) grid; g > 0 one program axis on which g row blocks sweep the columns
+    together, so that a weight tile is read from L2 by g programs in a row (the order of
+    the programs, never what each computes)."""
 
     block_m: int = 16
     block_k: int | None = None
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 3
+    group_m: int = 0
+
+
+# The tile of prompt steps (`exact` prefill): thousands of rows a call, compute-bound. A
+# prompt row never has to equal a decode row (other tile), only itself in any batch or
+# chunking, which one tile for every prompt step gives.
+PREFILL_BLOCKS = MatmulBlocks(block_m=128, block_k=64, block_n=128, num_warps=8,
+                              num_stages=3, group_m=8)
 
 
 def k_block(k: int) -> int:
@@ -50,9 +61,23 @@ def matmul_reference(x, w, *, transpose_w: bool = False, out_dtype=None):
     return out.astype(out_dtype or x.dtype)
 
 
-def _kernel(x_ref, w_ref, o_ref, *, m, k, n, block_m, block_k, block_n, transpose_w):
+def _block_ids(m, n, block_m, block_n, group_m):
+    """This program's (row block, column block): the grid's two axes, or with group_m one
+    axis walked group_m row blocks at a time across the columns."""
+    if not group_m:
+        return pl.program_id(0), pl.program_id(1)
+    rows, cols = pl.cdiv(m, block_m), pl.cdiv(n, block_n)
+    pid = pl.program_id(0)
+    first = pid // (group_m * cols) * group_m  # the group's first row block
+    size = jnp.minimum(rows - first, group_m)
+    at = pid % (group_m * cols)
+    return first + at % size, at // size
+
+
+def _kernel(x_ref, w_ref, o_ref, *, m, k, n, block_m, block_k, block_n, transpose_w,
+            group_m=0):
     # x_ref [m, k]; w_ref [k, n] ([n, k] with transpose_w); o_ref [m, n]
-    i, j = pl.program_id(0), pl.program_id(1)
+    i, j = _block_ids(m, n, block_m, block_n, group_m)
     rows = pl.ds(i * block_m, block_m)
     cols = pl.ds(j * block_n, block_n)
     row_ok = (i * block_m + jnp.arange(block_m) < m)[:, None]  # [bm, 1]
@@ -89,10 +114,11 @@ def matmul(x, w, *, transpose_w: bool = False, out_dtype=None,
     m = x2.shape[0]
     b = blocks
     block_k = b.block_k or k_block(k)
+    grid = (pl.cdiv(m, b.block_m), pl.cdiv(n, b.block_n))
     out = pl.pallas_call(
         functools.partial(_kernel, m=m, k=k, n=n, block_m=b.block_m, block_k=block_k,
-                          block_n=b.block_n, transpose_w=transpose_w),
-        grid=(pl.cdiv(m, b.block_m), pl.cdiv(n, b.block_n)),
+                          block_n=b.block_n, transpose_w=transpose_w, group_m=b.group_m),
+        grid=(grid[0] * grid[1],) if b.group_m else grid,
         in_specs=[whole(x2.shape), whole(w.shape)],
         out_specs=whole((m, n)),
         out_shape=jax.ShapeDtypeStruct((m, n), out_dtype or x.dtype),

@@ -123,7 +123,13 @@ class VerifyBlocks:
     split; cap_dtype: dtype of the captured logits; waves: choose the split count by
     `wave_splits` (more splits, up to 1.5x, where they fill the grid's last wave).
     split_keys: a row-invariant plan (`INVARIANT`): keys cut into splits of this length
-    whatever the batch and rows, fixed tiles, the splits combined in order."""
+    whatever the batch and rows, fixed tiles, the splits combined in order.
+    unmasked: each program first walks the key blocks that all its real rows see without
+    the causal mask, then the rest with it (less work a block; off for windows). The mask
+    keeps every logit of those blocks, yet a compiler may fuse the unmasked loop's
+    multiply and subtract where the select kept them apart: whether a row's bits then
+    depend on which loop reads a block is for the GPU to show
+    (`benchmarks/exact_prefill.py --quick`), hence off in the row-invariant plans."""
 
     block_k: int | None = None
     num_warps: int | None = None
@@ -135,12 +141,23 @@ class VerifyBlocks:
     cap_dtype: Any = jnp.float16
     waves: bool = True
     split_keys: int | None = None
+    unmasked: bool = False
 
 
 # A row's output depends only on its query, position and the cache: decode rows and verify
 # rows agree bit for bit (every program max_rows rows, one tile for every call).
 INVARIANT = VerifyBlocks(block_k=64, num_warps=4, num_stages=2, max_rows=32, row_block=32,
                          waves=False, split_keys=1024)
+# The row-invariant plan of prompt steps (`exact` prefill): every call runs query blocks of
+# row_block rows (max_rows 0) and one key split (target_programs 1), whose key blocks sit at
+# 0, block_k, 2 block_k, ... and are walked in order, the softmax finished in the kernel. A
+# row's result does not depend on the rows beside it, the batch, the cache's length or the
+# chunking: a block wholly past a row's position leaves its accumulators bit for bit as
+# they were (the first block always holds key 0). A prompt row never has to equal a decode
+# row (`INVARIANT`), only itself prefilled in any batch or chunks; no buffer of partial
+# results per key split (at 128K those were 64 GiB).
+INVARIANT_PREFILL = VerifyBlocks(block_k=64, num_warps=8, num_stages=2, max_rows=0,
+                                 row_block=128, target_programs=1, waves=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,6 +202,7 @@ class _KernelConfig:
     kh: int
     normalize: bool
     capture: StoreLogits | SumLogits | None = None
+    unmasked: bool = False
 
 
 class _Operands(NamedTuple):
@@ -289,7 +307,7 @@ def _verify_kernel(layer_ref, win_ref, q_ref, rowpos_ref, k_ref, v_ref, qc_ref, 
     elif isinstance(cfg.capture, SumLogits):
         sum_rows = _logit_sum(cfg, qc_ref, rpc_ref, cap_ref, win, bi, h, scale)
 
-    def body(i, carry):
+    def body(i, carry, masked=True):
         o, m, l = carry
         k0 = start + i * cfg.block_k
         kidx = k0 + kr  # [block_k]
@@ -301,10 +319,11 @@ def _verify_kernel(layer_ref, win_ref, q_ref, rowpos_ref, k_ref, v_ref, qc_ref, 
         qk = dot(q, k, trans_b=True) * scale  # [rows, block_k] fp32, log2 units
         if store is not None:
             store(qk, k0)
-        vis = kidx[None, :] <= rp[:, None]
-        if lo is not None:
-            vis &= kidx[None, :] > lo[:, None]
-        qk = jnp.where(vis, qk, NEG)
+        if masked:
+            vis = kidx[None, :] <= rp[:, None]
+            if lo is not None:
+                vis &= kidx[None, :] > lo[:, None]
+            qk = jnp.where(vis, qk, NEG)
         m_new = jnp.maximum(m, qk.max(axis=-1))
         corr = jnp.exp2(m - m_new)
         p = jnp.exp2(qk - m_new[:, None])  # [rows, block_k]
@@ -317,7 +336,15 @@ def _verify_kernel(layer_ref, win_ref, q_ref, rowpos_ref, k_ref, v_ref, qc_ref, 
     o0 = jnp.zeros((cfg.rows, d), jnp.float32)  # [rows, d]
     m0 = jnp.full((cfg.rows,), NEG, jnp.float32)  # [rows]
     l0 = jnp.zeros((cfg.rows,), jnp.float32)  # [rows]
-    o, m, l = lax.fori_loop(0, nblk, body, (o0, m0, l0))
+    carry = (o0, m0, l0)
+    if cfg.unmasked and lo is None:  # the blocks every real row sees in full, unmasked
+        low = jnp.min(jnp.where(rp >= 0, rp, cfg.s_len))  # the lowest real row's position
+        n_full = jnp.clip((low + 1 - start) // cfg.block_k, 0, nblk)
+        carry = lax.fori_loop(0, n_full, functools.partial(body, masked=False), carry)
+        carry = lax.fori_loop(n_full, nblk, body, carry)
+    else:
+        carry = lax.fori_loop(0, nblk, body, carry)
+    o, m, l = carry
     if cfg.normalize:  # single split: finish here (prefill), m_ref receives the LSE
         o = o / jnp.where(l == 0.0, 1.0, l)[:, None]
         m = m + jnp.log2(jnp.where(l == 0.0, 1.0, l))
@@ -708,7 +735,7 @@ def verify_attention(q, k_cache, v_cache, layer, q_pos, *, capture: CaptureSpec 
     cfg = _KernelConfig(block_k=la.blocks.block_k, split_len=la.split_len,
                         n_splits=la.n_splits, s_len=s, rows=la.rows, real_rows=la.tq * g,
                         kh=kh, normalize=la.n_splits == 1 and blocks.split_keys is None,
-                        capture=cap)
+                        capture=cap, unmasked=blocks.unmasked)
     ops = _Operands(
         layer=jnp.reshape(layer, (1,)).astype(jnp.int32),
         window=None if window is None else jnp.reshape(window, (1,)).astype(jnp.int32),

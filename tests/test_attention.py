@@ -195,7 +195,7 @@ def test_cudnn_serves_only_fresh_prompts_it_computes_alike():
     decode-sized call needs the kernel."""
     from types import SimpleNamespace
 
-    from vegas_jax.attention import PROMPT, causal_impl
+    from vegas_jax.attention import PROMPT, PROMPT_CHUNK, causal_impl
 
     gpu = SimpleNamespace(pallas=True, exact=False, cudnn_prefill=True, interpret=False)
     q = jnp.zeros((1, 64, 2, 4, 16), jnp.bfloat16)
@@ -208,7 +208,11 @@ def test_cudnn_serves_only_fresh_prompts_it_computes_alike():
               causal_impl(PROMPT, gpu, q[:, :8]),  # 8 tokens x 4 heads: one decode program
               causal_impl(PROMPT, SimpleNamespace(**{**vars(gpu), "cudnn_prefill": False}), q)]
     assert all(f.func.__name__ == "verify_attention" for f in kernel)
-    exact = causal_impl(PROMPT, SimpleNamespace(**{**vars(gpu), "exact": True}), q)
-    assert exact.keywords["blocks"].split_keys is not None  # the row-invariant plan
+    from pallas_kernels.verify_attention import INVARIANT, INVARIANT_PREFILL
+
+    exact = SimpleNamespace(**{**vars(gpu), "exact": True})  # the row-invariant plans
+    assert causal_impl(PROMPT, exact, q).keywords["blocks"] == INVARIANT_PREFILL
+    assert causal_impl(PROMPT_CHUNK, exact, q).keywords["blocks"] == INVARIANT_PREFILL
+    assert causal_impl(AttnPlan(), exact, q).keywords["blocks"] == INVARIANT
     xla = SimpleNamespace(pallas=False, exact=False, cudnn_prefill=False, interpret=True)
     assert causal_impl(PROMPT, xla, q).__name__ == "verify_attention_reference"

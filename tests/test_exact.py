@@ -10,6 +10,7 @@ import pytest
 from pallas_kernels.matmul import MatmulBlocks, matmul, matmul_reference
 from pallas_kernels.rms_norm import rms_norm, rms_norm_reference
 from pallas_kernels.verify_attention import INVARIANT, CaptureSpec, verify_attention
+from tests import compiled
 from tests.tiny import tiny_model
 from vegas_jax import ExecConfig, SpecConfig, generate, speculative_generate
 from vegas_jax.attention import AttnPlan
@@ -210,3 +211,108 @@ def test_full_size_forward_verify_rows_equal_decode_steps():
     assert out["verify_vs_steps"][:2] == (9, 9)
     assert out["alone_vs_batch"][:2] == (3, 3)
     assert out["alone_short_cache_vs_batch"][:2] == (3, 3)
+
+
+@pytest.mark.parametrize("g,windowed,unmasked", [(3, False, False), (3, False, True),
+                                                 pytest.param(4, True, False, marks=SLOW)])
+def test_invariant_prefill_rows_alone_batched_and_chunked(g, windowed, unmasked):
+    """The prompt steps' plan (`INVARIANT_PREFILL`; and with its unmasked first loop): a
+    prompt's rows alone equal the same rows in a batch whose longest prompt makes the
+    cache longer, and prefilled in chunks that cut its query blocks (42 tokens a block at
+    group 3); and match the reference."""
+    import dataclasses
+
+    from pallas_kernels.verify_attention import INVARIANT_PREFILL, verify_attention_reference
+
+    blocks = dataclasses.replace(INVARIANT_PREFILL, unmasked=unmasked)
+
+    kh, d, t, wide = 2, 32, 300, 420
+    ks = jax.random.split(jax.random.PRNGKey(6), 3)
+    kc = jax.random.normal(ks[0], (1, 3, kh, wide + 30, d), BF16)
+    vc = jax.random.normal(ks[1], (1, 3, kh, wide + 30, d), BF16)
+    q = jax.random.normal(ks[2], (3, wide, kh, g, d), BF16)
+    pos = jnp.broadcast_to(jnp.arange(wide, dtype=jnp.int32), (3, wide))
+    extra = dict(window=jnp.int32(70), sinks=jnp.ones((kh, g))) if windowed else {}
+
+    def run(q, kc, vc, pos):
+        return compiled.call(verify_attention, q, kc, vc, jnp.int32(0), pos,
+                             blocks=blocks, interpret=True, **extra)[0]
+
+    batch = run(q, kc, vc, pos)[1, :t]
+    q1, kc1, vc1, p1 = q[1:2, :t], kc[:, 1:2, :, :t + 8], vc[:, 1:2, :, :t + 8], pos[1:2, :t]
+    alone = run(q1, kc1, vc1, p1)[0]
+    assert jnp.array_equal(alone, batch)
+    cuts = (0, 100, 250, t)  # 100 and 150 tokens: blocks of 42 tokens cut mid-block
+    chunked = jnp.concatenate([run(q1[:, a:b], kc1, vc1, p1[:, a:b])[0]
+                               for a, b in zip(cuts, cuts[1:])])
+    assert jnp.array_equal(alone, chunked)
+    ref = compiled.call(verify_attention_reference, q1, kc1, vc1, jnp.int32(0), p1, **extra)[0]
+    np.testing.assert_allclose(np.asarray(alone, np.float32), np.asarray(ref[0], np.float32),
+                               rtol=2e-2, atol=2e-2)
+
+
+def test_prefill_matmul_tile_rows_are_invariant():
+    """The prompt steps' tile (`PREFILL_BLOCKS`, its programs on one grouped axis): a
+    row alone, at another offset in its tile, or in a larger batch is bit for bit itself."""
+    from pallas_kernels.matmul import PREFILL_BLOCKS
+
+    kx, kw = jax.random.split(jax.random.PRNGKey(7))
+    x = jax.random.normal(kx, (300, 200), BF16)
+    w = jax.random.normal(kw, (200, 300), BF16) * 0.1
+    full = matmul(x, w, blocks=PREFILL_BLOCKS, interpret=True)
+    np.testing.assert_allclose(np.asarray(full, np.float32),
+                               np.asarray(matmul_reference(x, w), np.float32), rtol=2e-2,
+                               atol=2e-2)
+    assert jnp.array_equal(full[130:131], matmul(x[130:131], w, blocks=PREFILL_BLOCKS,
+                                                 interpret=True))
+    assert jnp.array_equal(full[5:260], matmul(x[5:260], w, blocks=PREFILL_BLOCKS,
+                                               interpret=True))
+
+
+@pytest.mark.parametrize("transpose_w", [False, True])
+def test_prefill_matmul_tile_lowers_for_cuda(transpose_w):
+    from pallas_kernels.matmul import PREFILL_BLOCKS
+    from tests.cuda import lower_cuda
+
+    sd = jax.ShapeDtypeStruct
+    w = sd((6144, 4096) if transpose_w else (4096, 6144), BF16)
+    txt = lower_cuda(lambda x, w: matmul(x, w, blocks=PREFILL_BLOCKS, transpose_w=transpose_w),
+                     sd((8192, 4096), BF16), w)
+    assert "xla.gpu.triton" in txt
+
+
+def _long_prompts(lengths, seed=5):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 100, size=k).tolist() for k in lengths]
+
+
+def test_exact_prefill_in_chunks_equals_one_call(tiny_bf16, monkeypatch):
+    """Prompt steps of 64 tokens (a budget of 64 query tokens a step) and one call give
+    the same tokens: a prompt row does not depend on the chunking."""
+    import vegas_jax.prefill as pf
+
+    xc = ExecConfig(backend="pallas", exact=True)
+    prompts = _long_prompts((150, 140))
+    whole = generate(tiny_bf16, prompts, 4, exec_config=xc).tokens
+    monkeypatch.setattr(pf, "PREFILL_TOKENS", 64)
+    assert generate(tiny_bf16, prompts, 4, exec_config=xc).tokens == whole
+
+
+@pytest.mark.slow
+def test_exact_long_prompts_alone_batched_chunked_refilled_and_speculative(tiny_bf16,
+                                                                         monkeypatch):
+    """Prompts past two of decode's key splits (1024 keys): exact vanilla alone equals the
+    batch (two prompts of one padded width, another of its own), prefilled in chunks,
+    refilled into a freed slot, and exact speculative decoding."""
+    import vegas_jax.prefill as pf
+
+    xc = ExecConfig(backend="pallas", exact=True)
+    prompts = _long_prompts((2100, 2090, 300))
+    batch = generate(tiny_bf16, prompts, 8, exec_config=xc).tokens
+    assert [generate(tiny_bf16, [p], 8, exec_config=xc).tokens[0] for p in prompts] == batch
+    assert generate(tiny_bf16, prompts, 8, exec_config=xc, max_batch=2).tokens == batch
+    spec = speculative_generate(tiny_bf16, prompts, 8, SpecConfig(method="vegas", gamma=3,
+                                                                  min_tokens=8), exec_config=xc)
+    assert spec.tokens == batch and spec.stats["rounds"] > 0
+    monkeypatch.setattr(pf, "PREFILL_TOKENS", 512)  # the two long prompts: 5 chunks of 448
+    assert generate(tiny_bf16, prompts, 8, exec_config=xc).tokens == batch

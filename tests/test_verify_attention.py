@@ -331,3 +331,24 @@ def test_capture_spec_refuses_unknown_names():
         CaptureSpec((0,), "sum")
     with pytest.raises(ValueError, match="score"):
         CaptureSpec((0,), "mean", "prob")
+
+
+@pytest.mark.parametrize("capture,windowed,unmasked", [
+    (None, False, False), (CaptureSpec((0, 299)), False, True), (None, True, False)])
+def test_invariant_prefill_lowers_for_cuda(capture, windowed, unmasked):
+    """The prompt steps' exact plan (one split finished in the kernel; unmasked: two key
+    loops with traced bounds) through the Triton lowering."""
+    from pallas_kernels.verify_attention import INVARIANT_PREFILL
+
+    blocks = dataclasses.replace(INVARIANT_PREFILL, unmasked=unmasked)
+
+    L, b, kh, g, d, s, t = 2, 2, 8, 4, 128, 4096, 300
+    sd = jax.ShapeDtypeStruct
+    extra = (sd((), jnp.int32), sd((kh, g), jnp.float32)) if windowed else ()
+    txt = lower_cuda(
+        lambda q, kc, vc, layer, pos, *wk: verify_attention(
+            q, kc, vc, layer, pos, capture=capture, blocks=blocks,
+            **(dict(window=wk[0], sinks=wk[1]) if wk else {})),
+        sd((b, t, kh, g, d), jnp.bfloat16), sd((L, b, kh, s, d), jnp.bfloat16),
+        sd((L, b, kh, s, d), jnp.bfloat16), sd((), jnp.int32), sd((b, t), jnp.int32), *extra)
+    assert "xla.gpu.triton" in txt

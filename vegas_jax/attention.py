@@ -24,8 +24,8 @@ from pallas_kernels.sparse_attention import (
     sparse_attention, sparse_attention_reference, sparse_step,
 )
 from pallas_kernels.verify_attention import (
-    INVARIANT, CaptureSpec, VerifyBlocks, capture_buffer, cudnn_attention, verify_attention,
-    verify_attention_reference,
+    INVARIANT, INVARIANT_PREFILL, CaptureSpec, VerifyBlocks, capture_buffer, cudnn_attention,
+    verify_attention, verify_attention_reference,
 )
 from vegas_jax.sharding import AXIS, TP_RULES, mesh
 
@@ -107,10 +107,15 @@ class AttnPlan:
     # causal: every row's queries sit at positions 0..t-1 (a whole prompt from its first
     # token), so a backend that needs that (cuDNN's causal mask) may run it
     fresh: bool = struct.field(pytree_node=False, default=False)
+    # causal: a prompt step (prefill, whole or a chunk): under `exact` the row-invariant
+    # kernels run their prefill plans (a prompt row equals itself in any batch or
+    # chunking, never has to equal a decode row)
+    prefill: bool = struct.field(pytree_node=False, default=False)
 
 
 CAUSAL = AttnPlan()
-PROMPT = AttnPlan(fresh=True)
+PROMPT = AttnPlan(fresh=True, prefill=True)  # a step of whole prompts
+PROMPT_CHUNK = AttnPlan(prefill=True)  # a later slice of the prompts
 
 
 # Tensor parallel: a Pallas kernel runs on each device's KV heads inside `shard_map` (XLA
@@ -160,13 +165,16 @@ def causal_impl(plan: AttnPlan, xc, q, window=None, sinks=None):
     k_cache, v_cache, layer, q_pos, *, capture, window, sinks, ...) -> (out, scores).
 
     The XLA reference on the XLA backend; else the Pallas kernel (under `exact` on either
-    backend, with the row-invariant plan) or, for a fresh prompt on a GPU, cuDNN's flash
-    attention, where it computes the same: no capture, window or sinks (it has none),
-    no fp32 (nor that), not exact (no row-invariant plan), and more rows than one
-    decode-like program holds."""
+    backend, with the row-invariant plan: a prompt step's, `INVARIANT_PREFILL`, or decode
+    and verify's, `INVARIANT`) or, for a fresh prompt on a GPU, cuDNN's flash attention,
+    where it computes the same: no capture, window or sinks (it has none), no fp32 (nor
+    that), not exact (no row-invariant plan), and more rows than one decode-like program
+    holds."""
     if not (xc.pallas or xc.exact):
         return verify_attention_reference
-    blocks = INVARIANT if xc.exact else VerifyBlocks()
+    blocks = VerifyBlocks()
+    if xc.exact:
+        blocks = INVARIANT_PREFILL if plan.prefill else INVARIANT
     b, t, kh, g, d = q.shape
     if (plan.fresh and xc.cudnn_prefill and not xc.exact and plan.capture is None
             and window is None and sinks is None and q.dtype != jnp.float32

@@ -24,7 +24,7 @@ from flax import struct
 from jax import lax
 
 from pallas_kernels import draft_mlp, grouped_matmul
-from pallas_kernels.matmul import matmul
+from pallas_kernels.matmul import PREFILL_BLOCKS, MatmulBlocks, matmul
 from pallas_kernels.rms_norm import rms_norm as invariant_rms_norm
 from pallas_kernels.sparse_attention import rope_halves
 from vegas_jax.attention import (
@@ -48,17 +48,20 @@ def mm(spec, a, b):
                       else None)
 
 
-def row_invariant(xc: ExecConfig, plan: AttnPlan) -> bool:
-    """Whether this forward runs the row-invariant kernels: prefill, decode and verify
-    under `ExecConfig.exact` (drafts only propose, and keep the fast ones)."""
-    return xc.exact and plan.mode == "causal"
+def row_invariant(xc: ExecConfig, plan: AttnPlan) -> MatmulBlocks | None:
+    """The row-invariant matmul tile of this forward, None where it runs the fast kernels:
+    prefill, decode and verify under `ExecConfig.exact` (drafts only propose, and keep the
+    fast ones); prompt steps take the prefill tile (`AttnPlan.prefill`)."""
+    if not (xc.exact and plan.mode == "causal"):
+        return None
+    return PREFILL_BLOCKS if plan.prefill else MatmulBlocks()
 
 
-def linear(x, w, inv: bool, xc: ExecConfig, transpose_w: bool = False):
-    """x [..., h] @ w [h, n] (w [n, h] with transpose_w). inv: through the row-invariant
+def linear(x, w, inv: MatmulBlocks | None, xc: ExecConfig, transpose_w: bool = False):
+    """x [..., h] @ w [h, n] (w [n, h] with transpose_w). inv: the tile of the row-invariant
     kernel (`ExecConfig.exact`), whose rows never depend on the rows beside them."""
     if inv:
-        return matmul(x, w, transpose_w=transpose_w, interpret=xc.interpret)
+        return matmul(x, w, transpose_w=transpose_w, blocks=inv, interpret=xc.interpret)
     return mm("...h,nh->...n" if transpose_w else "...h,hn->...n", x, w)
 
 

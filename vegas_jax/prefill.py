@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from vegas_jax.attention import CAUSAL, PROMPT, AttnPlan, Capture
+from vegas_jax.attention import PROMPT, PROMPT_CHUNK, AttnPlan, Capture
 from vegas_jax.cache import KVCache, init_cache
 from vegas_jax.config import ModelConfig
 from vegas_jax.execution import ExecConfig, model_jit
@@ -173,7 +173,8 @@ def _prefill_step(params, cfg: ModelConfig, xc: ExecConfig, tokens, lens, kv, lo
     toks = lax.dynamic_slice_in_dim(tokens_p, at, chunk, axis=1)  # [b, chunk]
     pos = at + jnp.broadcast_to(jnp.arange(chunk, dtype=jnp.int32), (b, chunk))
     here = jnp.clip(last - at, 0, chunk - 1)
-    out, cache, _ = forward(params, cfg, xc, toks, pos, cache, PROMPT if whole else CAUSAL,
+    plan = PROMPT if whole else PROMPT_CHUNK
+    out, cache, _ = forward(params, cfg, xc, toks, pos, cache, plan,
                             logits_at=here)
     mine = last // chunk == at // chunk  # this slice holds the prompt's last token
     return jnp.where(mine[:, None], out[:, 0], logits), (cache.k, cache.v)
