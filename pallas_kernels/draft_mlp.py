@@ -10,7 +10,10 @@ applied to the fp32 accumulators with the activation. The norm's weight must alr
 folded into W. Rounded once at the end (the XLA path rounds r x, then x @ W, then the
 activation): drafts only, whose tokens the verify checks.
 
-Shapes: x [m, h]; w_gate_up [h, 2f] (gate columns, then up columns); out [m, f].
+Shapes: x [m, h]; w_gate_up [h, 2f] (gate columns, then up columns); out [m, f]. With
+fmt ("int8" or "int4", `quant_matmul`'s formats) w_gate_up and scale are `quantize`'s
+(q, scale) of that weight: the packed weights are read once and dequantized in registers
+(int4's group scale on each group's products, int8's column scale on the sums).
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
 from pallas_kernels.common import dot, pow2_at_least, sm_count, whole
+from pallas_kernels.quant_matmul import (FORMATS, dequantize, group_size, unpack_int4,
+                                         unpack_int8)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +43,7 @@ class MlpTile:
     block_n: int = 16
     num_warps: int = 4
     num_stages: int = 4
+    unpack: str = "jnp"  # quantized weights: "jnp" or "asm" (`quant_matmul.QuantBlocks`)
 
 
 # The kernel pays where a layer's gate/up weights are small: there the three kernels'
@@ -48,21 +54,28 @@ SMALL_BYTES = 4 << 20
 MIN_ROWS = 64
 
 
-def norm_gate_up_reference(x, w_gate_up, *, eps: float):
-    """silu(g) * u with [g | u] = rms_norm(x) @ w_gate_up, in fp32, rounded to x's dtype."""
+def norm_gate_up_reference(x, w_gate_up, *, eps: float, scale=None, fmt: str | None = None):
+    """silu(g) * u with [g | u] = rms_norm(x) @ w_gate_up, in fp32, rounded to x's dtype
+    (with fmt: w_gate_up = dequantize(w_gate_up, scale, fmt))."""
     xf = x.astype(jnp.float32)
     r = lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)  # [m, 1]
-    gu = jnp.einsum("mh,hn->mn", xf, w_gate_up.astype(jnp.float32),
-                    precision=lax.Precision.HIGHEST) * r
+    w = dequantize(w_gate_up, scale, fmt) if fmt else w_gate_up.astype(jnp.float32)
+    gu = jnp.einsum("mh,hn->mn", xf, w, precision=lax.Precision.HIGHEST) * r
     f = w_gate_up.shape[-1] // 2
     return (jax.nn.silu(gu[:, :f]) * gu[:, f:]).astype(x.dtype)
 
 
-def tile_for(h: int, f: int, tile: MlpTile | None = None) -> MlpTile | None:
+def tile_for(h: int, f: int, tile: MlpTile | None = None,
+             fmt: str | None = None) -> MlpTile | None:
     """`tile` (default `MlpTile()`) with block_k halved until it divides h and block_n
-    until it divides f (neither below 16), or None if none does."""
+    until it divides f (neither below 16), or None if none does. int4: block_k at least
+    the group (`group_size(h)`), whose multiple it stays."""
     tile = tile or MlpTile()
     bk, bn = tile.block_k, tile.block_n
+    if fmt == "int4":
+        if h % 64:
+            return None
+        bk = max(bk, group_size(h))
     while bk >= 16 and h % bk:
         bk //= 2
     while bn >= 16 and f % bn:
@@ -97,6 +110,51 @@ def _kernel(x_ref, w_ref, o_ref, *, m, h, f, eps, block_m, block_k, block_n):
                mask=jnp.broadcast_to(ok, (block_m, block_n)))
 
 
+def _quant_kernel(x_ref, w_ref, s_ref, o_ref, *, fmt, m, h, f, eps, block_m, block_k,
+                  block_n, asm):
+    # x_ref [m, h]; w_ref [h, 2f] int8 or [h/2, 2f] uint8 (int4, groups of g rows);
+    # s_ref [1, 2f] fp32 (int8) or [h/g, 2f] bf16 (int4); o_ref [m, f]
+    i, j = pl.program_id(0), pl.program_id(1)
+    rows = pl.ds(i * block_m, block_m)
+    ok = (i * block_m + jnp.arange(block_m) < m)[:, None]  # [bm, 1]
+    gate, up = pl.ds(j * block_n, block_n), pl.ds(f + j * block_n, block_n)
+    g = group_size(h) if fmt == "int4" else block_k
+    cdt = x_ref.dtype  # the weights' integers are exact in bf16
+
+    def step(kb, carry):
+        acc_g, acc_u, ss = carry
+        for c in range(block_k // g):  # int4: one group at a time; int8: the whole block
+            k0 = kb * block_k + c * g
+            if fmt == "int8":
+                xb = pltr.load(x_ref.at[rows, pl.ds(k0, g)], mask=ok, other=0.0)
+                xf = xb.astype(jnp.float32)
+                acc_g += dot(xb, unpack_int8(w_ref[pl.ds(k0, g), gate], cdt, asm))
+                acc_u += dot(xb, unpack_int8(w_ref[pl.ds(k0, g), up], cdt, asm))
+                ss += jnp.sum(xf * xf, axis=1)
+                continue
+            xl = pltr.load(x_ref.at[rows, pl.ds(k0, g // 2)], mask=ok, other=0.0)
+            xh = pltr.load(x_ref.at[rows, pl.ds(k0 + g // 2, g // 2)], mask=ok, other=0.0)
+            for cols, is_gate in ((gate, True), (up, False)):
+                lo, hi = unpack_int4(w_ref[pl.ds(k0 // 2, g // 2), cols], cdt, asm)
+                sc = s_ref[pl.ds(k0 // g, 1), cols].astype(jnp.float32)  # [1, bn]
+                prod = (dot(xl, lo) + dot(xh, hi)) * sc
+                acc_g, acc_u = (acc_g + prod, acc_u) if is_gate else (acc_g, acc_u + prod)
+            xlf, xhf = xl.astype(jnp.float32), xh.astype(jnp.float32)
+            ss += jnp.sum(xlf * xlf, axis=1) + jnp.sum(xhf * xhf, axis=1)
+        return acc_g, acc_u, ss
+
+    zero = jnp.zeros((block_m, block_n), jnp.float32)
+    acc_g, acc_u, ss = lax.fori_loop(0, h // block_k, step,
+                                     (zero, zero, jnp.zeros((block_m,), jnp.float32)))
+    if fmt == "int8":
+        acc_g, acc_u = acc_g * s_ref[pl.ds(0, 1), gate], acc_u * s_ref[pl.ds(0, 1), up]
+    r = lax.rsqrt(ss / h + eps)[:, None]  # [bm, 1]
+    gg, u = acc_g * r, acc_u * r
+    out = gg / (1.0 + jnp.exp(-gg)) * u  # silu(g) * u
+    pltr.store(o_ref.at[rows, gate], out.astype(o_ref.dtype),
+               mask=jnp.broadcast_to(ok, (block_m, block_n)))
+
+
 def one_wave(t: MlpTile, m: int, f: int) -> MlpTile:
     """t with block_n doubled (up to 64, while it divides f) until the grid fits one wave
     of the GPU's SMs: a second, partial wave costs more than wider column tiles."""
@@ -107,31 +165,57 @@ def one_wave(t: MlpTile, m: int, f: int) -> MlpTile:
     return dataclasses.replace(t, block_n=bn)
 
 
-def norm_gate_up(x, w_gate_up, *, eps: float, tile: MlpTile | None = None,
-                 interpret: bool = False):
-    """`norm_gate_up_reference` as one Pallas (Triton) kernel. x [m, h], w_gate_up [h, 2f];
-    h must be a multiple of 16 and f of 16 (`tile_for`). tile: None for `MlpTile()` with
-    its columns widened to one wave (`one_wave`); a given tile is used as it is.
+def _check_weights(h: int, w_gate_up, scale, fmt: str | None) -> int:
+    """f, the output width, of a [h, 2f] weight (fmt: its quantized q and scale)."""
+    f = w_gate_up.shape[-1] // 2
+    if fmt is None:
+        if w_gate_up.shape != (h, 2 * f):
+            raise ValueError(f"w_gate_up must be [{h}, 2f], got {w_gate_up.shape}")
+        return f
+    if fmt not in FORMATS:
+        raise ValueError(f"fmt must be None or one of {FORMATS}, got {fmt!r}")
+    if fmt == "int4" and h % 64:
+        raise ValueError(f"hidden {h} must be a multiple of 64 for int4")
+    rows, srows = (h, 1) if fmt == "int8" else (h // 2, h // group_size(h))
+    if w_gate_up.shape != (rows, 2 * f):
+        raise ValueError(f"w_gate_up must be [{rows}, 2f] for {fmt}, got {w_gate_up.shape}")
+    if scale is None or scale.size != srows * 2 * f:
+        raise ValueError(f"scale must be [{'' if fmt == 'int8' else str(srows) + ', '}"
+                         f"{2 * f}] for {fmt}, got "
+                         f"{None if scale is None else list(scale.shape)}")
+    return f
+
+
+def norm_gate_up(x, w_gate_up, *, eps: float, scale=None, fmt: str | None = None,
+                 tile: MlpTile | None = None, interpret: bool = False):
+    """`norm_gate_up_reference` as one Pallas (Triton) kernel. x [m, h], w_gate_up [h, 2f],
+    or with fmt (`quant_matmul.FORMATS`) `quantize`'s q and scale of that weight; h must
+    be a multiple of 16 (int4: 64) and f of 16 (`tile_for`). tile: None for `MlpTile()`
+    with its columns widened to one wave (`one_wave`); a given tile is used as it is.
     Returns [m, f] in x's dtype."""
     m, h = x.shape
-    f = w_gate_up.shape[-1] // 2
-    if w_gate_up.shape != (h, 2 * f):
-        raise ValueError(f"w_gate_up must be [{h}, 2f], got {w_gate_up.shape}")
-    t = tile_for(h, f, tile)
+    f = _check_weights(h, w_gate_up, scale, fmt)
+    t = tile_for(h, f, tile, fmt)
     if t is None:
         raise ValueError(f"hidden {h} and width {f} must be multiples of 16")
     if tile is None:
         t = one_wave(t, m, f)
     bm = min(t.block_m, pow2_at_least(m))
-    kernel = functools.partial(_kernel, m=m, h=h, f=f, eps=eps, block_m=bm,
-                               block_k=t.block_k, block_n=t.block_n)
-    return pl.pallas_call(
-        kernel,
+    common = dict(
         grid=(pl.cdiv(m, bm), f // t.block_n),
-        in_specs=[whole(x.shape), whole(w_gate_up.shape)],
         out_specs=whole((m, f)),
         out_shape=jax.ShapeDtypeStruct((m, f), x.dtype),
         compiler_params=pltr.CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages),
-        interpret=interpret,
-        name="vegas_draft_mlp",
-    )(x, w_gate_up.astype(x.dtype))
+        interpret=interpret)
+    if fmt is None:
+        kernel = functools.partial(_kernel, m=m, h=h, f=f, eps=eps, block_m=bm,
+                                   block_k=t.block_k, block_n=t.block_n)
+        return pl.pallas_call(kernel, in_specs=[whole(x.shape), whole(w_gate_up.shape)],
+                              name="vegas_draft_mlp", **common)(x, w_gate_up.astype(x.dtype))
+    s2 = scale.reshape(1, 2 * f) if fmt == "int8" else scale
+    kernel = functools.partial(_quant_kernel, fmt=fmt, m=m, h=h, f=f, eps=eps, block_m=bm,
+                               block_k=t.block_k, block_n=t.block_n,
+                               asm=t.unpack == "asm" and not interpret)
+    return pl.pallas_call(
+        kernel, in_specs=[whole(x.shape), whole(w_gate_up.shape), whole(s2.shape)],
+        name=f"vegas_draft_mlp_{fmt}", **common)(x, w_gate_up, s2)
