@@ -22,12 +22,15 @@ from vegas_jax.cache import KVCache
 from vegas_jax.config import ModelConfig
 from vegas_jax.driver import (DecodeClock, GenerationResult, Progress, Refill, drive, launch,
                               run_stats)
+from vegas_jax.driver import exec_config as exec_config_of
 from vegas_jax.execution import ExecConfig, model_jit
 from vegas_jax.generate import DecodeState, decode_steps_body, generate
 from vegas_jax.methods import DEFAULT_METHOD, SCORES, Auto, Method, method_named
 from vegas_jax.model import forward
+from vegas_jax.params import Params
 from vegas_jax.prefill import prefill_group, prefill_prompts
 from vegas_jax.prompts import decode_text, rows_of
+from vegas_jax.quant import check_draft_weights, draft_params
 from vegas_jax.sampling import SamplingParams, accept, sample
 
 
@@ -39,13 +42,16 @@ class SpecConfig:
     names become objects here, once. gamma: draft tokens per round (auto: where it
     starts). sparsity: fraction of the context each draft step reads, in (0, 1].
     min_tokens: floor of that budget. score: "weight" (softmax weights, the authors'
-    default) or "logit" (raw logits, the paper's formula)."""
+    default) or "logit" (raw logits, the paper's formula). draft_weights: the weights
+    drafts read (`quant.DRAFT_WEIGHTS`): "same" (the model's), or an "int8" / "int4"
+    copy (lossless still: the verify keeps the model's own)."""
 
     method: Method | str = DEFAULT_METHOD
     gamma: int = 6
     sparsity: float = 0.07
     min_tokens: int = 256
     score: str = "weight"
+    draft_weights: str = "same"
 
     def __post_init__(self):
         object.__setattr__(self, "method", method_named(self.method))
@@ -57,6 +63,7 @@ class SpecConfig:
             raise ValueError(f"min_tokens must be a whole number >= 1, got {self.min_tokens}")
         if self.score not in SCORES:
             raise ValueError(f"score must be one of {SCORES}, got {self.score!r}")
+        check_draft_weights(self.draft_weights)
 
     @property
     def name(self) -> str:
@@ -129,8 +136,9 @@ def prefill_capture(spec: SpecConfig) -> Capture | None:
 
 @model_jit(static_argnames=("cfg", "xc", "spec", "sp"), donate_argnames=("state",))
 def spec_round(params, cfg: ModelConfig, xc: ExecConfig, state: SpecState, spec: SpecConfig,
-               sp: SamplingParams):
-    """One round: gamma sparse drafts, one verify, acceptance, the next selection.
+               sp: SamplingParams, draft: Params | None = None):
+    """One round: gamma sparse drafts, one verify, acceptance, the next selection. draft:
+    the params the drafts read (`quant.draft_params`); None: `params`.
 
     Returns (state, emitted [b, gamma + 1] with -1 after the last kept token, done [b],
     n_accepted [b], active [b] at the round's start). Finished sequences keep their length
@@ -140,7 +148,8 @@ def spec_round(params, cfg: ModelConfig, xc: ExecConfig, state: SpecState, spec:
     n = state.cache.lengths  # [b]
     active = ~state.progress.done
     key, k_draft, k_acc = jax.random.split(state.key, 3)
-    cache, drafts, q = draft_phase(params, cfg, xc, state, k_draft, spec, sp)
+    cache, drafts, q = draft_phase(params if draft is None else draft, cfg, xc, state, k_draft,
+                                   spec, sp)
     logits, cache, scores = verify_phase(params, cfg, xc, cache, state.x0, drafts,
                                          round_capture(spec, cfg, xc, cache.max_len), active)
     n_acc, nxt = accept(k_acc, drafts, q, logits, sp)
@@ -225,15 +234,16 @@ class Tally:
 
 
 def _runner(model, xc: ExecConfig, spec: SpecConfig, sampling: SamplingParams,
-            plain_steps_n: int = 0) -> Callable:
-    """run(state) -> (state, outputs) for one device call: a round, or plain steps."""
+            plain_steps_n: int = 0, draft: Params | None = None) -> Callable:
+    """run(state) -> (state, outputs) for one device call: a round, or plain steps.
+    draft: the params the drafts read (None: the model's)."""
     cfg = model.config
 
     def run(st):
         if plain_steps_n:
             st, *out = plain_steps(model.params, cfg, xc, st, spec, sampling, plain_steps_n)
         else:
-            st, *out = spec_round(model.params, cfg, xc, st, spec, sampling)
+            st, *out = spec_round(model.params, cfg, xc, st, spec, sampling, draft)
         return st, tuple(out)
     return run
 
@@ -264,6 +274,8 @@ def speculative_generate(
         res.stats.update(tau=1.0, gamma=0, acceptance_by_position=[], rounds=steps)
         return res
     cfg = model.config
+    # made before the cache, whose memory check then counts it
+    draft = draft_params(model, spec.draft_weights, exec_config_of(model, exec_config))
     auto = AutoController(spec) if isinstance(spec.method, Auto) else None
     gamma = max(auto.gammas) if auto else spec.gamma
     # Room past the last kept token: a round writes gamma + 1 entries after n, and the last
@@ -298,13 +310,14 @@ def speculative_generate(
         tally.add(n_acc, was_active, collector.owner[was_active] if n_acc is not None else None)
 
     if auto is None:
-        step = _runner(model, xc, spec, sampling)
+        step = _runner(model, xc, spec, sampling, draft=draft)
     else:
         def make(config):  # plain decoding on the same cache (0), or a round of that gamma
             if config == 0:
                 low = dataclasses.replace(auto.spec, gamma=min(auto.gammas))
                 return _runner(model, xc, low, sampling, AutoController.VANILLA_STEPS)
-            return _runner(model, xc, dataclasses.replace(auto.spec, gamma=config), sampling)
+            return _runner(model, xc, dataclasses.replace(auto.spec, gamma=config), sampling,
+                           draft=draft)
 
         auto.prepare(make)  # the configured gamma builds on its first call, the rest later
 
