@@ -111,10 +111,27 @@ def _kernel(x_ref, w_ref, o_ref, *, m, h, f, eps, block_m, block_k, block_n):
                mask=jnp.broadcast_to(ok, (block_m, block_n)))
 
 
-def _quant_kernel(x_ref, w_ref, s_ref, o_ref, *, fmt, m, h, f, eps, block_m, block_k,
-                  block_n, asm):
+@dataclasses.dataclass(frozen=True)
+class _QuantMlp:
+    """`_quant_kernel`'s static settings: the format, rows m, hidden h, output width f,
+    the norm's eps, the tile and whether to unpack by PTX."""
+
+    fmt: str
+    m: int
+    h: int
+    f: int
+    eps: float
+    block_m: int
+    block_k: int
+    block_n: int
+    asm: bool
+
+
+def _quant_kernel(x_ref, w_ref, s_ref, o_ref, *, cfg: _QuantMlp):
     # x_ref [m, h]; w_ref [2f, h] int8 or [2f, h/2] uint8 (int4, groups of g; the formats'
     # transposed storage); s_ref [1, 2f] fp32 (int8) or [h/g, 2f] bf16 (int4); o_ref [m, f]
+    fmt, m, h, f, eps, asm = cfg.fmt, cfg.m, cfg.h, cfg.f, cfg.eps, cfg.asm
+    block_m, block_k, block_n = cfg.block_m, cfg.block_k, cfg.block_n
     i, j = pl.program_id(0), pl.program_id(1)
     rows = pl.ds(i * block_m, block_m)
     ok = (i * block_m + jnp.arange(block_m) < m)[:, None]  # [bm, 1]
@@ -220,9 +237,9 @@ def norm_gate_up(x, w_gate_up, *, eps: float, scale=None, fmt: str | None = None
         return pl.pallas_call(kernel, in_specs=[whole(x.shape), whole(w_gate_up.shape)],
                               name="vegas_draft_mlp", **common)(x, w_gate_up.astype(x.dtype))
     s2 = scale.reshape(1, 2 * f) if fmt == "int8" else scale
-    kernel = functools.partial(_quant_kernel, fmt=fmt, m=m, h=h, f=f, eps=eps, block_m=bm,
-                               block_k=t.block_k, block_n=t.block_n,
-                               asm=t.unpack == "asm" and not interpret)
+    kernel = functools.partial(_quant_kernel, cfg=_QuantMlp(
+        fmt=fmt, m=m, h=h, f=f, eps=eps, block_m=bm, block_k=t.block_k, block_n=t.block_n,
+        asm=t.unpack == "asm" and not interpret))
     return pl.pallas_call(
         kernel, in_specs=[whole(x.shape), whole(w_gate_up.shape), whole(s2.shape)],
         name=f"vegas_draft_mlp_{fmt}", **common)(x, w_gate_up, s2)

@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 from pallas_kernels.topk import PALLAS_MAX_KEYS
 from pallas_kernels.sparse_attention import (
-    sparse_attention, sparse_attention_reference, sparse_step,
+    SparseIndex, StepSpec, sparse_attention, sparse_attention_reference, sparse_step,
 )
 from pallas_kernels.verify_attention import (
     INVARIANT, capture_buffer, verify_attention, verify_attention_reference,
@@ -213,8 +213,8 @@ def attention(plan: AttnPlan, xc, q, k_cache, v_cache, layer, positions, *, wind
         names, extra, especs = _extras(sinks=sinks)
 
         def local(q, k_cache, v_cache, layer, idx, count, tail_start, q_pos, at, *extra):
-            return fn(q, k_cache, v_cache, layer, idx, count, tail_start, q_pos,
-                      tail_len=plan.tail_len, idx_layer=at, **dict(zip(names, extra)))
+            return fn(q, k_cache, v_cache, layer, SparseIndex(idx, count, tail_start, q_pos, at),
+                      tail_len=plan.tail_len, **dict(zip(names, extra)))
 
         out = per_device(local, xc, (HEADS5, HEADS5, HEADS5, REP, ispec, cspec, REP, REP, REP,
                                      *especs), HEADS5)(
@@ -268,11 +268,11 @@ def sparse_block(plan: AttnPlan, xc, cfg, qkv, q_norm, k_norm, rope, k_cache, v_
 
     def local(qkv, q_norm, k_norm, rope, k_cache, v_cache, layer, idx, count, tail_start,
               q_pos, at, *x):
-        return sparse_step(qkv, q_norm, k_norm, rope, k_cache, v_cache, layer, idx, count,
-                           tail_start, q_pos, tail_len=plan.tail_len,
-                           num_heads=cfg.num_heads // xc.tp, qk_norm=cfg.qk_norm,
-                           eps=cfg.rms_norm_eps, idx_layer=at, x=x[0] if x else None,
-                           interpret=xc.interpret)
+        spec = StepSpec(tail_len=plan.tail_len, num_heads=cfg.num_heads // xc.tp,
+                        qk_norm=cfg.qk_norm, eps=cfg.rms_norm_eps)
+        return sparse_step(qkv, q_norm, k_norm, rope, k_cache, v_cache, layer,
+                           SparseIndex(idx, count, tail_start, q_pos, at), spec=spec,
+                           x=x[0] if x else None, interpret=xc.interpret)
 
     cols = P(None, None, AXIS)
     ispec, cspec = index_specs(plan.idx)
