@@ -29,8 +29,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
 from pallas_kernels.common import dot, pow2_at_least, sm_count, whole
-from pallas_kernels.quant_matmul import (FORMATS, dequantize, group_size, unpack_int4,
-                                         unpack_int8)
+from pallas_kernels.quant_matmul import (FORMATS, UNPACKS, dequantize, group_size,
+                                         unpack_int4, unpack_int8)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +44,9 @@ class MlpTile:
     block_n: int = 16
     num_warps: int = 4
     num_stages: int = 4
-    unpack: str = "jnp"  # quantized weights: "jnp" or "asm" (`quant_matmul.QuantBlocks`)
+    # quantized weights: "jnp" or "asm" (`quant_matmul.QuantBlocks`); None: the format's
+    # default there (int4 "asm", int8 "jnp")
+    unpack: str | None = None
 
 
 # The kernel pays where a layer's gate/up weights are small: there the three kernels'
@@ -222,6 +224,8 @@ def norm_gate_up(x, w_gate_up, *, eps: float, scale=None, fmt: str | None = None
     t = tile_for(h, f, tile, fmt)
     if t is None:
         raise ValueError(f"hidden {h} and width {f} must be multiples of 16")
+    if t.unpack not in (None, *UNPACKS):
+        raise ValueError(f"tile.unpack must be None or one of {UNPACKS}, got {t.unpack!r}")
     if tile is None:
         t = one_wave(t, m, f)
     bm = min(t.block_m, pow2_at_least(m))
@@ -239,7 +243,7 @@ def norm_gate_up(x, w_gate_up, *, eps: float, scale=None, fmt: str | None = None
     s2 = scale.reshape(1, 2 * f) if fmt == "int8" else scale
     kernel = functools.partial(_quant_kernel, cfg=_QuantMlp(
         fmt=fmt, m=m, h=h, f=f, eps=eps, block_m=bm, block_k=t.block_k, block_n=t.block_n,
-        asm=t.unpack == "asm" and not interpret))
+        asm=(t.unpack or ("asm" if fmt == "int4" else "jnp")) == "asm" and not interpret))
     return pl.pallas_call(
         kernel, in_specs=[whole(x.shape), whole(w_gate_up.shape), whole(s2.shape)],
         name=f"vegas_draft_mlp_{fmt}", **common)(x, w_gate_up, s2)
