@@ -72,6 +72,13 @@ def quantize(w, fmt: str):
     return packed.reshape(*lead, n, k // 2), jnp.swapaxes(s, -1, -2)
 
 
+def weight_shape(q, fmt: str) -> tuple[int, int]:
+    """(k, n) of the [k, n] weight whose `quantize` gave q (stacked: one layer's)."""
+    _check_fmt(fmt)
+    n, kq = q.shape[-2:]
+    return kq * (2 if fmt == "int4" else 1), n
+
+
 def dequantize(q, scale, fmt: str):
     """(q, scale) -> w [..., k, n] fp32: `quantize`'s inverse up to its rounding."""
     _check_fmt(fmt)
