@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.sparse_attention import (
-    StepBlocks, rope_halves, sparse_attention, sparse_attention_reference, sparse_step,
-    sparse_step_reference,
+    SparseIndex, StepBlocks, StepSpec, rope_halves, sparse_attention,
+    sparse_attention_reference, sparse_step, sparse_step_reference,
 )
 from pallas_kernels.verify_attention import (
     CaptureSpec, verify_attention, verify_attention_reference,
@@ -46,12 +46,12 @@ def check_sparse(case, key):
     ish = (L, b, kh, K) if per_head else (L, b, K)
     idx = jax.random.randint(ks[4], ish, 0, s // 2)
     count = jax.random.randint(ks[5], ish[:-1], 1, K + 1)
-    kw = dict(idx_layer=jnp.int32(L - 2)) if stacked else {}
     if not stacked:
         idx, count = idx[0], count[0]
-    args = (q, kc, vc, jnp.int32(L - 1), idx, count, tail_start, q_pos)
-    out = jax.jit(lambda *a: sparse_attention(*a, tail_len=W, **kw))(*args)
-    ref = jax.jit(lambda *a: sparse_attention_reference(*a, tail_len=W, **kw))(*args)
+    index = SparseIndex(idx, count, tail_start, q_pos, jnp.int32(L - 2) if stacked else None)
+    args = (q, kc, vc, jnp.int32(L - 1), index)
+    out = jax.jit(lambda *a: sparse_attention(*a, tail_len=W))(*args)
+    ref = jax.jit(lambda *a: sparse_attention_reference(*a, tail_len=W))(*args)
     return rel(out, ref)
 
 
@@ -80,11 +80,11 @@ def check_step(case, key):
     emb = q_pos.astype(jnp.float32)[:, None, None] * (
         10000.0 ** (-jnp.arange(0, d, 2) / d))[None, None, :]
     emb = jnp.concatenate([emb, emb], -1)
-    kw = dict(tail_len=W, num_heads=kh * g, qk_norm=qk_norm, idx_layer=jnp.int32(L - 2))
+    spec = StepSpec(tail_len=W, num_heads=kh * g, qk_norm=qk_norm)
     args = (qkv, norms[0], norms[1], rope_halves(jnp.cos(emb), jnp.sin(emb)), kc, vc,
-            jnp.int32(L - 1), idx, count, tail_start, q_pos)
-    ref = jax.jit(lambda *a: sparse_step_reference(*a, **kw))(*args)
-    out = jax.jit(lambda *a: sparse_step(*a, **kw, blocks=StepBlocks(whole_from=unsplit)),
+            jnp.int32(L - 1), SparseIndex(idx, count, tail_start, q_pos, jnp.int32(L - 2)))
+    ref = jax.jit(lambda *a: sparse_step_reference(*a, spec=spec))(*args)
+    out = jax.jit(lambda *a: sparse_step(*a, spec=spec, blocks=StepBlocks(whole_from=unsplit)),
                   donate_argnums=(4, 5))(*args)
     bi, at = jnp.arange(b), jnp.minimum(q_pos, s - 1)
     rows = [rel(o[L - 1, bi, :, at], r[L - 1, bi, :, at]) for o, r in zip(out[1:], ref[1:])]
@@ -140,8 +140,9 @@ def check_sparse_sinks(key):
     errs = []
     for count, tail_start in ((jnp.full((L, b), K), q_pos - 12),
                               (jnp.zeros((L, b), jnp.int32), jnp.maximum(q_pos - W + 1, 0))):
-        args = (q, kc, vc, jnp.int32(L - 1), idx, count, tail_start, q_pos)
-        kw = dict(tail_len=W, idx_layer=jnp.int32(1), sinks=sinks)
+        args = (q, kc, vc, jnp.int32(L - 1),
+                SparseIndex(idx, count, tail_start, q_pos, jnp.int32(1)))
+        kw = dict(tail_len=W, sinks=sinks)
         out = jax.jit(lambda *a: sparse_attention(*a, **kw))(*args)
         ref = jax.jit(lambda *a: sparse_attention_reference(*a, **kw))(*args)
         errs.append(rel(out, ref))

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from pallas_kernels.sparse_attention import SparseIndex
 from pallas_kernels.sparse_attention import sparse_attention as _sparse_attention
 from pallas_kernels.sparse_attention import sparse_attention_reference
 from pallas_kernels.topk import select_topk_fast
@@ -212,7 +213,7 @@ def correctness():
         q = jax.random.normal(ks[5], (b, 1, kh, g, d), jnp.bfloat16) * 2
         qp = jnp.array([s - 90, s - 20, s - 1], jnp.int32)
         ts_ = qp - 10
-        args = (q, kc, vc, jnp.int32(1), idx, cnt, ts_, qp)
+        args = (q, kc, vc, jnp.int32(1), SparseIndex(idx, cnt, ts_, qp))
         o1 = jax.jit(functools.partial(sparse_attention, tail_len=W))(*args)
         o2 = jax.jit(functools.partial(sparse_attention_reference, tail_len=W))(*args)
         e = rel(o1, o2)
@@ -469,7 +470,8 @@ def full_main(quick):
                                  ("xla", functools.partial(sparse_attention_reference, tail_len=W))]:
                     try:
                         run = loop_jit(lambda i, li, q, kc, vc, idx, cnt, tsa, qp, fn=fn:
-                                       fn(q, kc, vc, li, idx, cnt, tsa, qp), ns, L)
+                                       fn(q, kc, vc, li, SparseIndex(idx, cnt, tsa, qp)),
+                                       ns, L)
                         tt = timeit(run, q, kc, vc, idx, cnt, tsa, qp, n=ns)
                         srow[f"{name}_us"] = tt * 1e6
                         srow[f"{name}_tbps"] = sb / tt / 1e12

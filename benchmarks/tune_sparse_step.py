@@ -21,7 +21,8 @@ import jax.numpy as jnp
 
 from benchmarks.kernel_profile import kernel_times
 from pallas_kernels.sparse_attention import (
-    SparseBlocks, StepBlocks, rope_halves, sparse_step, sparse_step_reference,
+    SparseBlocks, SparseIndex, StepBlocks, StepSpec, rope_halves, sparse_step,
+    sparse_step_reference,
 )
 
 SPLIT = 10**9
@@ -151,13 +152,15 @@ def main():
     kc, vc, qkv, norms, rope, hid, K = x.kc, x.vc, x.qkv, x.norms, x.rope, x.hid, x.K
     idx, count, tail_start, q_pos = x.idx, x.count, x.tail_start, x.q_pos
 
+    spec = StepSpec(tail_len=a.tail, num_heads=kh * g)
+
     def chain(fn):
         def run(qkv, kc, vc):
             x = qkv
             for li in range(L):
-                o, kc, vc = fn(x, norms[0], norms[1], rope, kc, vc, jnp.int32(li), idx, count,
-                               tail_start, q_pos, tail_len=a.tail, num_heads=kh * g,
-                               idx_layer=jnp.int32(li), x=hid)
+                index = SparseIndex(idx, count, tail_start, q_pos, jnp.int32(li))
+                o, kc, vc = fn(x, norms[0], norms[1], rope, kc, vc, jnp.int32(li), index,
+                               spec=spec, x=hid)
                 x = x + (o.sum() * 0).astype(x.dtype)
             return x, kc, vc
         return jax.jit(run, donate_argnums=(1, 2))
@@ -166,10 +169,10 @@ def main():
     # one layer's call against the reference, and 20 repeats bit for bit (a race between
     # programs shows as calls that differ)
     def one_args(kc, vc):
-        return (qkv, norms[0], norms[1], rope, kc, vc, jnp.int32(L - 1), idx, count,
-                tail_start, q_pos)
+        return (qkv, norms[0], norms[1], rope, kc, vc, jnp.int32(L - 1),
+                SparseIndex(idx, count, tail_start, q_pos, jnp.int32(L - 1)))
 
-    one_kw = dict(tail_len=a.tail, num_heads=kh * g, idx_layer=jnp.int32(L - 1), x=hid)
+    one_kw = dict(spec=spec, x=hid)
     ref = jax.jit(lambda *x: sparse_step_reference(*x, **one_kw)[0])(*one_args(kc, vc))
     rows = [("reference (XLA)", sparse_step_reference, None)]
     rows += [(n, sparse_step, bl)

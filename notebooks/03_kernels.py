@@ -68,7 +68,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from pallas_kernels.sparse_attention import (
-    SparseBlocks, sparse_attention, sparse_attention_reference,
+    SparseBlocks, SparseIndex, sparse_attention, sparse_attention_reference,
 )
 from pallas_kernels.verify_attention import (
     CaptureSpec, VerifyBlocks, verify_attention, verify_attention_reference,
@@ -235,11 +235,11 @@ idx = jnp.where(jnp.arange(K_SEL)[None] < count[:, None], idx, 0)
 tail_start = base + 1
 qd_pos = base + 4  # the 4th draft step: the tail holds positions base+1 .. base+4
 qd = q[:, :1]
-sp_out = sparse_attention(qd, k_cache, v_cache, layer, idx, count, tail_start, qd_pos,
-                          tail_len=TAIL, interpret=INTERPRET,
+index = SparseIndex(idx, count, tail_start, qd_pos)
+sp_out = sparse_attention(qd, k_cache, v_cache, layer, index, tail_len=TAIL,
+                          interpret=INTERPRET,
                           blocks=SparseBlocks(block_k=16, target_programs=3 * B * KH))
-sp_ref = sparse_attention_reference(qd, k_cache, v_cache, layer, idx, count, tail_start,
-                                    qd_pos, tail_len=TAIL)
+sp_ref = sparse_attention_reference(qd, k_cache, v_cache, layer, index, tail_len=TAIL)
 print("sparse output relative L2 error vs reference:", f"{rel_err(sp_out, sp_ref):.1e}")
 assert rel_err(sp_out, sp_ref) < 1e-4
 

@@ -29,8 +29,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
 from pallas_kernels.common import dot, pow2_at_least, sm_count, whole
-from pallas_kernels.quant_matmul import (FORMATS, dequantize, group_size, unpack_int4,
-                                         unpack_int8)
+from pallas_kernels.quant_matmul import (FORMATS, UNPACKS, dequantize, group_size,
+                                         unpack_int4, unpack_int8)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +44,9 @@ class MlpTile:
     block_n: int = 16
     num_warps: int = 4
     num_stages: int = 4
-    unpack: str = "jnp"  # quantized weights: "jnp" or "asm" (`quant_matmul.QuantBlocks`)
+    # quantized weights: "jnp" or "asm" (`quant_matmul.QuantBlocks`); None: the format's
+    # default there (int4 "asm", int8 "jnp")
+    unpack: str | None = None
 
 
 # The kernel pays where a layer's gate/up weights are small: there the three kernels'
@@ -111,10 +113,27 @@ def _kernel(x_ref, w_ref, o_ref, *, m, h, f, eps, block_m, block_k, block_n):
                mask=jnp.broadcast_to(ok, (block_m, block_n)))
 
 
-def _quant_kernel(x_ref, w_ref, s_ref, o_ref, *, fmt, m, h, f, eps, block_m, block_k,
-                  block_n, asm):
+@dataclasses.dataclass(frozen=True)
+class _QuantMlp:
+    """`_quant_kernel`'s static settings: the format, rows m, hidden h, output width f,
+    the norm's eps, the tile and whether to unpack by PTX."""
+
+    fmt: str
+    m: int
+    h: int
+    f: int
+    eps: float
+    block_m: int
+    block_k: int
+    block_n: int
+    asm: bool
+
+
+def _quant_kernel(x_ref, w_ref, s_ref, o_ref, *, cfg: _QuantMlp):
     # x_ref [m, h]; w_ref [2f, h] int8 or [2f, h/2] uint8 (int4, groups of g; the formats'
     # transposed storage); s_ref [1, 2f] fp32 (int8) or [h/g, 2f] bf16 (int4); o_ref [m, f]
+    fmt, m, h, f, eps, asm = cfg.fmt, cfg.m, cfg.h, cfg.f, cfg.eps, cfg.asm
+    block_m, block_k, block_n = cfg.block_m, cfg.block_k, cfg.block_n
     i, j = pl.program_id(0), pl.program_id(1)
     rows = pl.ds(i * block_m, block_m)
     ok = (i * block_m + jnp.arange(block_m) < m)[:, None]  # [bm, 1]
@@ -205,6 +224,8 @@ def norm_gate_up(x, w_gate_up, *, eps: float, scale=None, fmt: str | None = None
     t = tile_for(h, f, tile, fmt)
     if t is None:
         raise ValueError(f"hidden {h} and width {f} must be multiples of 16")
+    if t.unpack not in (None, *UNPACKS):
+        raise ValueError(f"tile.unpack must be None or one of {UNPACKS}, got {t.unpack!r}")
     if tile is None:
         t = one_wave(t, m, f)
     bm = min(t.block_m, pow2_at_least(m))
@@ -220,9 +241,9 @@ def norm_gate_up(x, w_gate_up, *, eps: float, scale=None, fmt: str | None = None
         return pl.pallas_call(kernel, in_specs=[whole(x.shape), whole(w_gate_up.shape)],
                               name="vegas_draft_mlp", **common)(x, w_gate_up.astype(x.dtype))
     s2 = scale.reshape(1, 2 * f) if fmt == "int8" else scale
-    kernel = functools.partial(_quant_kernel, fmt=fmt, m=m, h=h, f=f, eps=eps, block_m=bm,
-                               block_k=t.block_k, block_n=t.block_n,
-                               asm=t.unpack == "asm" and not interpret)
+    kernel = functools.partial(_quant_kernel, cfg=_QuantMlp(
+        fmt=fmt, m=m, h=h, f=f, eps=eps, block_m=bm, block_k=t.block_k, block_n=t.block_n,
+        asm=(t.unpack or ("asm" if fmt == "int4" else "jnp")) == "asm" and not interpret))
     return pl.pallas_call(
         kernel, in_specs=[whole(x.shape), whole(w_gate_up.shape), whole(s2.shape)],
         name=f"vegas_draft_mlp_{fmt}", **common)(x, w_gate_up, s2)

@@ -72,6 +72,13 @@ def quantize(w, fmt: str):
     return packed.reshape(*lead, n, k // 2), jnp.swapaxes(s, -1, -2)
 
 
+def weight_shape(q, fmt: str) -> tuple[int, int]:
+    """(k, n) of the [k, n] weight whose `quantize` gave q (stacked: one layer's)."""
+    _check_fmt(fmt)
+    n, kq = q.shape[-2:]
+    return kq * (2 if fmt == "int4" else 1), n
+
+
 def dequantize(q, scale, fmt: str):
     """(q, scale) -> w [..., k, n] fp32: `quantize`'s inverse up to its rounding."""
     _check_fmt(fmt)
@@ -224,11 +231,28 @@ def _load(ref, mask):  # `other` only beside a mask (Triton's lowering insists)
     return pltr.load(ref, mask=mask, other=None if mask is None else 0)
 
 
-def _kernel(layer_ref, x_ref, q_ref, s_ref, o_ref, *, fmt, m, n, g, block_m, block_n,
-            block_k, steps, asm):
+@dataclasses.dataclass(frozen=True)
+class _Call:
+    """`_kernel`'s static settings: the format, x's rows m, the weight's columns n, int4's
+    group g (int8: block_k), the tile, k steps a program and whether to unpack by PTX."""
+
+    fmt: str
+    m: int
+    n: int
+    g: int
+    block_m: int
+    block_n: int
+    block_k: int
+    steps: int
+    asm: bool
+
+
+def _kernel(layer_ref, x_ref, q_ref, s_ref, o_ref, *, call: _Call):
     # layer_ref [1] int32; x_ref [m, k]; q_ref [L, n, k] int8 or [L, n, k/2] uint8;
     # s_ref [L, 1, n] fp32 or [L, k/g, n] bf16; o_ref [split * m, n] (each k split's
     # partial product, scaled)
+    fmt, m, n, g, steps, asm = call.fmt, call.m, call.n, call.g, call.steps, call.asm
+    block_m, block_n, block_k = call.block_m, call.block_n, call.block_k
     li = layer_ref[0]
     i, j, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     rows, cols = pl.ds(i * block_m, block_m), pl.ds(j * block_n, block_n)
@@ -329,10 +353,10 @@ def quant_matmul(x, q, scale, *, fmt: str, layer=None, interpret: bool = False,
     li = jnp.asarray(layer, jnp.int32).reshape(1)
     out_dtype = x.dtype if b.split_k == 1 else jnp.float32
     out = pl.pallas_call(
-        functools.partial(_kernel, fmt=fmt, m=m, n=n, g=group_size(k) if fmt == "int4"
-                          else b.block_k, block_m=b.block_m, block_n=b.block_n,
-                          block_k=b.block_k, steps=k // b.block_k // b.split_k,
-                          asm=b.unpack == "asm" and not interpret),
+        functools.partial(_kernel, call=_Call(
+            fmt=fmt, m=m, n=n, g=group_size(k) if fmt == "int4" else b.block_k,
+            block_m=b.block_m, block_n=b.block_n, block_k=b.block_k,
+            steps=k // b.block_k // b.split_k, asm=b.unpack == "asm" and not interpret)),
         grid=(pl.cdiv(m, b.block_m), pl.cdiv(n, b.block_n), b.split_k),
         in_specs=[whole((1,)), whole(x2.shape), whole(q.shape), whole(s3.shape)],
         out_specs=whole((b.split_k * m, n)),

@@ -4,20 +4,15 @@ the contiguous recent tail.
 Reads only the selected K/V rows: bytes proportional to the budget, never a masked
 full-length attention.
 
-Shapes: q [b, 1, k, g, d]; cache k/v [L, b, k, s, d] with a layer index; idx [b, K]
-(shared by the layer's KV heads) or [b, k, K] (per KV head), best entries first, padded
-with a valid sentinel position; count [b] or [b, k] = how many leading entries of idx are
-real; tail_start [b]: the tail covers positions tail_start .. q_pos (at most `tail_len` of
-them); q_pos [b]: the query's position (its own K/V is already in the cache). With
-`idx_layer`, idx and count carry a leading layer axis ([Li, b, K], [Li, b]) and
-`idx_layer` picks the entry: every layer's index lists stay one buffer, nothing is sliced
-per layer.
+Shapes: q [b, 1, k, g, d]; cache k/v [L, b, k, s, d] with a layer index; the index
+inputs a `SparseIndex`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +21,23 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
 from pallas_kernels.common import NEG, combine_splits, dot, pow2_at_least, whole, with_sinks
+
+
+class SparseIndex(NamedTuple):
+    """A sparse draft's index inputs (a pytree). idx [b, K] (shared by the layer's KV
+    heads) or [b, k, K] (per KV head), best entries first, padded with a valid sentinel
+    position; count [b] or [b, k]: how many leading entries of idx are real; tail_start
+    [b]: the tail covers positions tail_start .. q_pos (at most `tail_len` of them); q_pos
+    [b]: the query's position (its own K/V is already in the cache). With idx_layer (an
+    int, traced or not), idx and count carry a leading layer axis ([Li, b, K], [Li, b])
+    and idx_layer picks the entry: every layer's index lists stay one buffer, nothing is
+    sliced per layer."""
+
+    idx: jax.Array
+    count: jax.Array
+    tail_start: jax.Array
+    q_pos: jax.Array
+    idx_layer: object = None
 
 
 def gather_rows(cache, layer, idx):
@@ -43,12 +55,13 @@ def _at_layer(idx, count, idx_layer):
     return idx[idx_layer], count[idx_layer]
 
 
-def sparse_attention_reference(q, k_cache, v_cache, layer, idx, count, tail_start, q_pos,
-                               *, tail_len, idx_layer=None, sinks=None):
+def sparse_attention_reference(q, k_cache, v_cache, layer, index: SparseIndex, *, tail_len,
+                               sinks=None):
     """Gather-then-attend in plain XLA. sinks [k, g] or None: one more logit per query
     head in the softmax's denominator, with no value (gpt-oss). Returns out
     [b, 1, k, g, d]."""
-    idx, count = _at_layer(idx, count, idx_layer)
+    idx, count = _at_layer(index.idx, index.count, index.idx_layer)
+    tail_start, q_pos = index.tail_start, index.q_pos
     b, _, kh, g, d = q.shape
     s = k_cache.shape[3]
     kk = idx.shape[-1]
@@ -117,19 +130,78 @@ class StepBlocks:
     split_wide: SparseBlocks = SparseBlocks(block_k=32, num_warps=4, num_stages=3)
 
 
-def _chunk_attention(q_parts, k_ref, v_ref, idx_ref, cnt_ref, ts_ref, layer, il, bi, h, hi,
-                     j, qpos, *, block_k, chunk, n_sel, n_idx, tail_len, s_len, scale,
-                     skip_qpos, one_program=False, live=None):
-    """Online softmax of program j's chunk (selected entries or tail) for one (sequence,
-    KV head). q_parts: ((q [rows, w], last-axis slice of the cache rows it multiplies),
-    ...): the logits are the sum of their dots (RoPE's two halves, or the whole row).
-    With `skip_qpos`, entries at the query's own position are left out and counted: its
-    K/V is written by this very call, so the caller adds it from registers.
+@dataclasses.dataclass(frozen=True)
+class _ChunkPlan:
+    """How a call's entries are cut (`_chunking`): block_k gathered rows a loop step;
+    chunk entries a program; n_sel programs (per sequence and KV head) over the selected
+    list, n_prog in all (the tail's after them); n_idx list length; tail_len; s_len the
+    cache length; scale the logits' scale."""
+
+    block_k: int
+    chunk: int
+    n_sel: int
+    n_prog: int
+    n_idx: int
+    tail_len: int
+    s_len: int
+    scale: float
+
+
+class _Program(NamedTuple):
+    """What a program's walk reads: the caches and index refs (k_ref, v_ref [L, b, k, s,
+    d]; idx_ref [Li, b, k|1, K], cnt_ref [Li, b, k|1], ts_ref [b]), its cache layer and
+    index layer, sequence bi, KV head h (hi: its index head, 0 when shared), chunk j, the
+    query's position, and `live` (traced bool or None: False walks no entry, a padding
+    row's program)."""
+
+    k_ref: object
+    v_ref: object
+    idx_ref: object
+    cnt_ref: object
+    ts_ref: object
+    layer: object
+    il: object
+    bi: object
+    h: object
+    hi: object
+    j: object
+    qpos: object
+    live: object = None
+
+
+def _update(q_parts, pr: _Program, plan: _ChunkPlan, skip_qpos, pos, ok, rows_kv, carry):
+    """One block's online-softmax update of carry (o, m, l, hits)."""
+    o, m, l, hits = carry
+    ks, v = rows_kv
+    if skip_qpos:
+        here = ok & (pos == pr.qpos)
+        hits = hits + jnp.sum(here.astype(jnp.int32))
+        ok = ok & (pos != pr.qpos)
+    qk = None
+    for (qp, _), k in zip(q_parts, ks):
+        part = dot(qp, k, trans_b=True)  # [rows, block_k]
+        qk = part if qk is None else qk + part
+    qk = jnp.where(ok[None, :], qk * plan.scale, NEG)
+    m_new = jnp.maximum(m, qk.max(axis=-1))
+    corr = jnp.exp(m - m_new)
+    p = jnp.exp(qk - m_new[:, None])
+    l = l * corr + p.sum(axis=-1)
+    o = o * corr[:, None] + dot(p.astype(v.dtype), v)
+    return o, m_new, l, hits
+
+
+def _chunk_attention(q_parts, pr: _Program, plan: _ChunkPlan, *, skip_qpos,
+                     one_program=False):
+    """Online softmax of program pr.j's chunk (selected entries or tail) for one
+    (sequence, KV head). q_parts: ((q [rows, w], last-axis slice of the cache rows it
+    multiplies), ...): the logits are the sum of their dots (RoPE's two halves, or the
+    whole row). With `skip_qpos`, entries at the query's own position are left out and
+    counted: its K/V is written by this very call, so the caller adds it from registers.
     `one_program`: this program covers the whole list and then the whole tail.
-    `live` (traced bool or None): False walks no entry (a padding row's program).
     Returns (o [rows, d], m [rows], l [rows], hits)."""
     rows = q_parts[0][0].shape[0]
-    d = v_ref.shape[-1]
+    d = pr.v_ref.shape[-1]
+    block_k, chunk, tail_len = plan.block_k, plan.chunk, plan.tail_len
     kr = jnp.arange(block_k, dtype=jnp.int32)
     # the tail's own block: vegas's tail is 2 gamma + 1 entries, and a 64-row block for 13
     # of them would gather 51 rows for nothing (a power of two dividing `chunk`)
@@ -137,38 +209,21 @@ def _chunk_attention(q_parts, k_ref, v_ref, idx_ref, cnt_ref, ts_ref, layer, il,
     tr = jnp.arange(tail_bk, dtype=jnp.int32)
 
     def gather(pos):  # [block_k] positions -> (K parts [block_k, w] each, V [block_k, d])
-        pos = jnp.clip(pos, 0, s_len - 1)
-        return [k_ref[layer, bi, h, pos, sl] for _, sl in q_parts], v_ref[layer, bi, h, pos, :]
-
-    def update(pos, ok, rows_kv, carry):
-        o, m, l, hits = carry
-        ks, v = rows_kv
-        if skip_qpos:
-            here = ok & (pos == qpos)
-            hits = hits + jnp.sum(here.astype(jnp.int32))
-            ok = ok & (pos != qpos)
-        qk = None
-        for (qp, _), k in zip(q_parts, ks):
-            part = dot(qp, k, trans_b=True)  # [rows, block_k]
-            qk = part if qk is None else qk + part
-        qk = jnp.where(ok[None, :], qk * scale, NEG)
-        m_new = jnp.maximum(m, qk.max(axis=-1))
-        corr = jnp.exp(m - m_new)
-        p = jnp.exp(qk - m_new[:, None])
-        l = l * corr + p.sum(axis=-1)
-        o = o * corr[:, None] + dot(p.astype(v.dtype), v)
-        return o, m_new, l, hits
+        pos = jnp.clip(pos, 0, plan.s_len - 1)
+        return ([pr.k_ref[pr.layer, pr.bi, pr.h, pos, sl] for _, sl in q_parts],
+                pr.v_ref[pr.layer, pr.bi, pr.h, pos, :])
 
     def walk(nblk, pos_of, ok_of, carry):
         """Blocks 0..nblk-1 with positions pos_of(i) and validity ok_of(i). Positions are
         loaded one block ahead: their latency overlaps this block's gathers."""
-        if live is not None:
-            nblk = jnp.where(live, nblk, 0)
+        if pr.live is not None:
+            nblk = jnp.where(pr.live, nblk, 0)
 
         def body(i, c):
             *c, pos = c
             nxt = pos_of(i + 1)
-            return (*update(pos, ok_of(i), gather(pos), c), nxt)
+            return (*_update(q_parts, pr, plan, skip_qpos, pos, ok_of(i), gather(pos), c),
+                    nxt)
 
         *carry, _ = lax.fori_loop(0, nblk, body, (*carry, pos_of(0)))
         return tuple(carry)
@@ -177,63 +232,65 @@ def _chunk_attention(q_parts, k_ref, v_ref, idx_ref, cnt_ref, ts_ref, layer, il,
               jnp.zeros((rows,), jnp.float32), jnp.int32(0))
 
     def selected(carry):
-        cnt = jnp.minimum(cnt_ref[il, bi, hi], n_idx)
-        e0 = j * chunk
+        cnt = jnp.minimum(pr.cnt_ref[pr.il, pr.bi, pr.hi], plan.n_idx)
+        e0 = pr.j * chunk
         nblk = pl.cdiv(jnp.maximum(jnp.minimum(e0 + chunk, cnt) - e0, 0), block_k)
 
         def positions(i):
             e = e0 + i * block_k + kr
-            return pltr.load(idx_ref.at[il, bi, hi, pl.ds(e0 + i * block_k, block_k)],
-                             mask=e < n_idx, other=0)
+            return pltr.load(pr.idx_ref.at[pr.il, pr.bi, pr.hi,
+                                           pl.ds(e0 + i * block_k, block_k)],
+                             mask=e < plan.n_idx, other=0)
 
         return walk(nblk, positions, lambda i: e0 + i * block_k + kr < cnt, carry)
 
     def tail(carry):
-        t0 = ts_ref[bi]
-        n_valid = jnp.clip(qpos - t0 + 1, 0, tail_len)  # entries tail_start .. q_pos
-        e0 = 0 if one_program else (j - n_sel) * chunk
+        t0 = pr.ts_ref[pr.bi]
+        n_valid = jnp.clip(pr.qpos - t0 + 1, 0, tail_len)  # entries tail_start .. q_pos
+        e0 = 0 if one_program else (pr.j - plan.n_sel) * chunk
         nblk = pl.cdiv(jnp.maximum(jnp.minimum(e0 + chunk, n_valid) - e0, 0), tail_bk)
         # positions past the query's are clamped to it: the block's spare rows load the
         # same (cached) row instead of rows no one asked for
-        return walk(nblk, lambda i: jnp.minimum(t0 + e0 + i * tail_bk + tr, qpos),
+        return walk(nblk, lambda i: jnp.minimum(t0 + e0 + i * tail_bk + tr, pr.qpos),
                     lambda i: e0 + i * tail_bk + tr < n_valid, carry)
 
     if one_program:
         return tail(selected(carry0)) if tail_len > 0 else selected(carry0)
     if tail_len > 0:
-        return lax.cond(j < n_sel, selected, tail, carry0)
+        return lax.cond(pr.j < plan.n_sel, selected, tail, carry0)
     return selected(carry0)
 
 
-def _sparse_kernel(layer_ref, il, q_ref, idx_ref, cnt_ref, ts_ref, qp_ref, k_ref, v_ref,
-                   o_ref, m_ref, l_ref, *, per_head, **kw):
-    # layer_ref [1] (cache layer); il the index layer (`_layer_inputs`); q_ref [rows, d];
-    # idx_ref [Li, b, k|1, K];
-    # cnt_ref [Li, b, k|1]; ts_ref, qp_ref [b]; k_ref, v_ref [L, b, k, s, d];
-    # o_ref [rows, d], m_ref, l_ref [rows]
+def _sparse_kernel(layer_ref, il, *refs, per_head, plan):
+    # layer_ref [1] (cache layer); il the index layer (`_layer_inputs`); then q_ref
+    # [rows, d]; idx_ref [Li, b, k|1, K]; cnt_ref [Li, b, k|1]; ts_ref, qp_ref [b]; k_ref,
+    # v_ref [L, b, k, s, d]; o_ref [rows, d], m_ref, l_ref [rows]
+    q_ref, idx_ref, cnt_ref, ts_ref, qp_ref, k_ref, v_ref, o_ref, m_ref, l_ref = refs
     bi, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     hi = h if per_head else jnp.int32(0)
     q = q_ref[...]  # [rows, d]
-    o, m, l, _ = _chunk_attention(((q, slice(None)),), k_ref, v_ref, idx_ref, cnt_ref, ts_ref,
-                                  layer_ref[0], il, bi, h, hi, j, qp_ref[bi],
-                                  skip_qpos=False, **kw)
+    pr = _Program(k_ref, v_ref, idx_ref, cnt_ref, ts_ref, layer_ref[0], il, bi, h, hi, j,
+                  qp_ref[bi])
+    o, m, l, _ = _chunk_attention(((q, slice(None)),), pr, plan, skip_qpos=False)
     o_ref[...] = o
     m_ref[...] = m
     l_ref[...] = l
 
 
-def _chunking(b, kh, n_idx, tail_len, blocks, split=True):
-    """(block_k, chunk, n_sel, n_prog): entries cut into chunks of equal length, enough
-    programs per (sequence, KV head) to reach `blocks.target_programs` (one if not split)."""
+def _chunking(b, kh, n_idx, tail_len, blocks, *, s_len, d, split=True) -> _ChunkPlan:
+    """The entries cut into chunks of equal length, enough programs per (sequence, KV
+    head) to reach `blocks.target_programs` (one if not split)."""
     bk = max(16, min(blocks.block_k, pow2_at_least(max(n_idx, tail_len, 1))))
     entries = n_idx + tail_len
+    plan = functools.partial(_ChunkPlan, block_k=bk, n_idx=n_idx, tail_len=tail_len,
+                             s_len=s_len, scale=d**-0.5)
     if not split:  # one program walks the whole list, then the whole tail
-        return bk, pl.cdiv(max(n_idx, tail_len, 1), bk) * bk, 1, 1
+        return plan(chunk=pl.cdiv(max(n_idx, tail_len, 1), bk) * bk, n_sel=1, n_prog=1)
     per_bh = max(1, min(pl.cdiv(entries, bk), pl.cdiv(blocks.target_programs, b * kh)))
     chunk = pl.cdiv(pl.cdiv(entries, per_bh), bk) * bk
     n_sel = max(1, pl.cdiv(n_idx, chunk))
     n_prog = n_sel + (pl.cdiv(tail_len, chunk) if tail_len > 0 else 0)
-    return bk, chunk, n_sel, n_prog
+    return plan(chunk=chunk, n_sel=n_sel, n_prog=n_prog)
 
 
 def _layer_inputs(kernel, layer, idx_layer):
@@ -252,7 +309,9 @@ def _layer_inputs(kernel, layer, idx_layer):
     return two, [scalar(layer), scalar(idx_layer)]
 
 
-def _index_inputs(b, idx, count, idx_layer):
+def _index_inputs(b, index: SparseIndex):
+    """(idx4 [Li, b, k|1, K], cnt3 [Li, b, k|1], the index layer, per KV head or not)."""
+    idx, count, idx_layer = index.idx, index.count, index.idx_layer
     if idx_layer is None:
         idx, count, idx_layer = idx[None], count[None], 0
     per_head = idx.ndim == 4
@@ -262,9 +321,8 @@ def _index_inputs(b, idx, count, idx_layer):
     return idx4, cnt3, idx_layer, per_head
 
 
-def sparse_attention(q, k_cache, v_cache, layer, idx, count, tail_start, q_pos, *, tail_len,
-                     idx_layer=None, sinks=None, interpret=False,
-                     blocks: SparseBlocks = SparseBlocks()):
+def sparse_attention(q, k_cache, v_cache, layer, index: SparseIndex, *, tail_len, sinks=None,
+                     interpret=False, blocks: SparseBlocks = SparseBlocks()):
     """Pallas (Triton) op with exactly `sparse_attention_reference`'s semantics (sinks
     enter in the combine, `with_sinks`).
 
@@ -272,20 +330,18 @@ def sparse_attention(q, k_cache, v_cache, layer, idx, count, tail_start, q_pos, 
     """
     b, _, kh, g, d = q.shape
     s = k_cache.shape[3]
-    idx4, cnt3, idx_layer, per_head = _index_inputs(b, idx, count, idx_layer)
-    n_idx = idx4.shape[-1]
-    bk, chunk, n_sel, n_prog = _chunking(b, kh, n_idx, tail_len, blocks)
+    idx4, cnt3, idx_layer, per_head = _index_inputs(b, index)
+    plan = _chunking(b, kh, idx4.shape[-1], tail_len, blocks, s_len=s, d=d)
     rows = pow2_at_least(g)
     qr = jnp.pad(q[:, 0], ((0, 0), (0, 0), (0, rows - g), (0, 0)))  # [b, kh, rows, d]
 
     kernel, scalars = _layer_inputs(functools.partial(
-        _sparse_kernel, block_k=bk, chunk=chunk, n_sel=n_sel, n_idx=n_idx, tail_len=tail_len,
-        s_len=s, scale=d**-0.5, per_head=per_head), layer, idx_layer)
+        _sparse_kernel, per_head=per_head, plan=plan), layer, idx_layer)
     spec_o = pl.BlockSpec((None, None, None, rows, d), lambda bi, h, c: (bi, h, c, 0, 0))
     spec_v = pl.BlockSpec((None, None, None, rows), lambda bi, h, c: (bi, h, c, 0))
     o, m, l = pl.pallas_call(
         kernel,
-        grid=(b, kh, n_prog),
+        grid=(b, kh, plan.n_prog),
         in_specs=[
             *[whole((1,))] * len(scalars),
             pl.BlockSpec((None, None, rows, d), lambda bi, h, c: (bi, h, 0, 0)),
@@ -298,16 +354,16 @@ def sparse_attention(q, k_cache, v_cache, layer, idx, count, tail_start, q_pos, 
         ],
         out_specs=[spec_o, spec_v, spec_v],
         out_shape=[
-            jax.ShapeDtypeStruct((b, kh, n_prog, rows, d), jnp.float32),  # [b, k, J, rows, d]
-            jax.ShapeDtypeStruct((b, kh, n_prog, rows), jnp.float32),
-            jax.ShapeDtypeStruct((b, kh, n_prog, rows), jnp.float32),
+            jax.ShapeDtypeStruct((b, kh, plan.n_prog, rows, d), jnp.float32),  # [b, k, J, rows, d]
+            jax.ShapeDtypeStruct((b, kh, plan.n_prog, rows), jnp.float32),
+            jax.ShapeDtypeStruct((b, kh, plan.n_prog, rows), jnp.float32),
         ],
         compiler_params=pltr.CompilerParams(num_warps=blocks.num_warps,
                                             num_stages=blocks.num_stages),
         interpret=interpret,
         name="vegas_sparse_attention",
-    )(*scalars, qr, idx4, cnt3, tail_start.astype(jnp.int32),
-      q_pos.astype(jnp.int32), k_cache, v_cache)
+    )(*scalars, qr, idx4, cnt3, index.tail_start.astype(jnp.int32),
+      index.q_pos.astype(jnp.int32), k_cache, v_cache)
     out, lse = combine_splits(o, m, l)  # [b, kh, rows, d], [b, kh, rows]
     if sinks is not None:  # padded rows get the last head's sink: never read
         out, _ = with_sinks(out, lse, jnp.pad(sinks, ((0, 0), (0, rows - g)), mode="edge"))
@@ -346,38 +402,41 @@ def _rope(x1, x2, cos, sin):
     return (f1 * cos - f2 * sin).astype(dt), (f2 * cos + f1 * sin).astype(dt)
 
 
-def _step_kernel(layer_ref, il, qkv_ref, *refs, per_head, g, kh, qk_norm, eps, normalize,
-                 hidden, **kw):
-    # layer_ref [1]; il the index layer; qkv_ref [b, n + 2k, d] (raw projection: q heads |
-    # k heads | v heads); x_ref [b, hidden] (the layer's input, when `hidden`: qkv is then
-    # its projection before the RMS norm's row scale, applied here);
-    # qn_ref, kn_ref [d] (q, k norm weights; absent without qk_norm);
-    # rope_ref [b, 2, d/2] (cos, sin of the query's
-    # position); idx_ref, cnt_ref, ts_ref, qp_ref as in `_sparse_kernel`;
-    # k_ref, v_ref [L, b, k, s, d] (read); outs: o_ref [b, n, d] when normalize, else
-    # o_ref [rows, d], m_ref, l_ref [rows]; then ko_ref, vo_ref (= k_ref, v_ref, aliased)
-    x_ref, refs = (refs[0], refs[1:]) if hidden else (None, refs)
-    qn_ref, kn_ref = refs[:2] if qk_norm else (None, None)
-    rope_ref, idx_ref, cnt_ref, ts_ref, qp_ref, k_ref, v_ref, *outs = refs[2 * qk_norm:]
-    if normalize:
-        o_ref, ko_ref, vo_ref = outs
-    else:
-        o_ref, m_ref, l_ref, ko_ref, vo_ref = outs
-    # rows of qkv past the cache's batch pad the residual stream (`sparse_step`): their
-    # programs read the last sequence's scalars, walk nothing, write no cache and output 0
-    pid, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    b = qp_ref.shape[0]
-    live = pid < b
-    bi = jnp.minimum(pid, b - 1)
-    hi = h if per_head else jnp.int32(0)
-    layer = layer_ref[0]
-    qpos = qp_ref[bi]
+@dataclasses.dataclass(frozen=True)
+class StepSpec:
+    """A draft step's attention settings (static): tail_len, the tail's most entries;
+    num_heads, query heads (of this device); qk_norm, Qwen3's Q/K RMS norms (weights
+    read); eps, the RMS norms' epsilon."""
+
+    tail_len: int
+    num_heads: int
+    qk_norm: bool = False
+    eps: float = 1e-6
+
+
+@dataclasses.dataclass(frozen=True)
+class _StepConfig:
+    """`_step_kernel`'s static settings: per_head index lists; g query heads per KV head of
+    kh; qk_norm, eps; normalize (one program a pair, normalised in the kernel); hidden, the
+    width of x (0: no x)."""
+
+    per_head: bool
+    g: int
+    kh: int
+    qk_norm: bool
+    eps: float
+    normalize: bool
+    hidden: int
+
+
+def _step_qkv(qkv_ref, x_ref, qn_ref, kn_ref, rope_ref, pid, bi, h, rid, cfg: _StepConfig):
+    """The program's query rows q, its KV head's k (each as two [r, d/2] halves) and v
+    [1, d]: the input norm's row scale (with x), the Q/K norms, RoPE at the query's
+    position."""
+    g, kh, hidden, eps = cfg.g, cfg.kh, cfg.hidden, cfg.eps
     d = qkv_ref.shape[-1]
     half = d // 2
     lo, up = pl.ds(0, half), pl.ds(half, half)
-    rows = pow2_at_least(g)
-    # padded rows repeat the head's last query row: they compute (and write) the same values
-    rid = h * g + jnp.minimum(jnp.arange(rows, dtype=jnp.int32), g - 1)  # [rows]
     cos = rope_ref[bi, 0, :][None, :]  # [1, d/2]
     sin = rope_ref[bi, 1, :][None, :]
 
@@ -391,14 +450,61 @@ def _step_kernel(layer_ref, il, qkv_ref, *refs, per_head, g, kh, qk_norm, eps, n
         r = lax.rsqrt(jnp.sum(xr * xr) / hidden + eps)
         q, k = ([(a.astype(jnp.float32) * r).astype(a.dtype) for a in part] for part in (q, k))
         v = (v.astype(jnp.float32) * r).astype(v.dtype)
-    if qk_norm:
+    if cfg.qk_norm:
         q, k = _rms(q, qn_ref, eps, d), _rms(k, kn_ref, eps, d)
-    q = _rope(*q, cos, sin)
-    k = _rope(*k, cos, sin)
+    return _rope(*q, cos, sin), _rope(*k, cos, sin), v
+
+
+def _with_own_entry(q, k, v, attn, scale):
+    """attn (o, m, l, hits) with the new token's own entry added as often as the chunk
+    listed its position (its K/V from registers: the cache row is this call's write)."""
+    o, m, l, hits = attn
+    s_new = sum(jnp.sum(qp.astype(jnp.float32) * kp.astype(jnp.float32), axis=-1)
+                for qp, kp in zip(q, k)) * scale  # [rows]
+    seen = hits > 0
+    m_new = jnp.where(seen, jnp.maximum(m, s_new), m)
+    corr = jnp.exp(m - m_new)
+    p = jnp.where(seen, jnp.exp(s_new - m_new) * hits.astype(jnp.float32), 0.0)
+    l = l * corr + p
+    o = o * corr[:, None] + p[:, None] * v.astype(jnp.float32)
+    return o, m_new, l
+
+
+def _step_kernel(layer_ref, il, qkv_ref, *refs, cfg: _StepConfig, plan: _ChunkPlan):
+    # layer_ref [1]; il the index layer; qkv_ref [b, n + 2k, d] (raw projection: q heads |
+    # k heads | v heads); x_ref [b, hidden] (the layer's input, when `hidden`: qkv is then
+    # its projection before the RMS norm's row scale, applied here);
+    # qn_ref, kn_ref [d] (q, k norm weights; absent without qk_norm);
+    # rope_ref [b, 2, d/2] (cos, sin of the query's
+    # position); idx_ref, cnt_ref, ts_ref, qp_ref as in `_sparse_kernel`;
+    # k_ref, v_ref [L, b, k, s, d] (read); outs: o_ref [b, n, d] when normalize, else
+    # o_ref [rows, d], m_ref, l_ref [rows]; then ko_ref, vo_ref (= k_ref, v_ref, aliased)
+    x_ref, refs = (refs[0], refs[1:]) if cfg.hidden else (None, refs)
+    qn_ref, kn_ref = refs[:2] if cfg.qk_norm else (None, None)
+    rope_ref, idx_ref, cnt_ref, ts_ref, qp_ref, k_ref, v_ref, *outs = refs[2 * cfg.qk_norm:]
+    if cfg.normalize:
+        o_ref, ko_ref, vo_ref = outs
+    else:
+        o_ref, m_ref, l_ref, ko_ref, vo_ref = outs
+    # rows of qkv past the cache's batch pad the residual stream (`sparse_step`): their
+    # programs read the last sequence's scalars, walk nothing, write no cache and output 0
+    pid, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    b = qp_ref.shape[0]
+    live = pid < b
+    bi = jnp.minimum(pid, b - 1)
+    hi = h if cfg.per_head else jnp.int32(0)
+    layer = layer_ref[0]
+    qpos = qp_ref[bi]
+    half = qkv_ref.shape[-1] // 2
+    lo, up = pl.ds(0, half), pl.ds(half, half)
+    rows = pow2_at_least(cfg.g)
+    # padded rows repeat the head's last query row: they compute (and write) the same values
+    rid = h * cfg.g + jnp.minimum(jnp.arange(rows, dtype=jnp.int32), cfg.g - 1)  # [rows]
+    q, k, v = _step_qkv(qkv_ref, x_ref, qn_ref, kn_ref, rope_ref, pid, bi, h, rid, cfg)
 
     # the new token's K/V into the cache; the walk never reads that row (its own entry
     # comes from registers)
-    @pl.when((j == 0) & (qpos < kw["s_len"]) & live)
+    @pl.when((j == 0) & (qpos < plan.s_len) & live)
     def _write():
         ko_ref[layer, bi, h, pl.ds(qpos, 1), lo] = k[0]  # [1, d/2]
         ko_ref[layer, bi, h, pl.ds(qpos, 1), up] = k[1]
@@ -406,25 +512,16 @@ def _step_kernel(layer_ref, il, qkv_ref, *refs, per_head, g, kh, qk_norm, eps, n
 
     # keys gathered as two half rows, each dotted with its RoPE half of the query (a
     # whole-row load with the halves side by side was no faster)
-    parts = ((q[0], lo), (q[1], up))
-    o, m, l, hits = _chunk_attention(parts, k_ref, v_ref, idx_ref, cnt_ref,
-                                     ts_ref, layer, il, bi, h, hi, j, qpos,
-                                     skip_qpos=True, one_program=normalize, live=live, **kw)
-    # the new token's own entry, as often as this chunk listed its position
-    s_new = sum(jnp.sum(qp.astype(jnp.float32) * kp.astype(jnp.float32), axis=-1)
-                for qp, kp in zip(q, k)) * kw["scale"]  # [rows]
-    seen = hits > 0
-    m_new = jnp.where(seen, jnp.maximum(m, s_new), m)
-    corr = jnp.exp(m - m_new)
-    p = jnp.where(seen, jnp.exp(s_new - m_new) * hits.astype(jnp.float32), 0.0)
-    l = l * corr + p
-    o = o * corr[:, None] + p[:, None] * v.astype(jnp.float32)
-    if normalize:
+    pr = _Program(k_ref, v_ref, idx_ref, cnt_ref, ts_ref, layer, il, bi, h, hi, j, qpos, live)
+    attn = _chunk_attention(((q[0], lo), (q[1], up)), pr, plan, skip_qpos=True,
+                            one_program=cfg.normalize)
+    o, m, l = _with_own_entry(q, k, v, attn, plan.scale)
+    if cfg.normalize:
         o = o / jnp.where(l == 0.0, 1.0, l)[:, None]
         o_ref[pid, rid, :] = o.astype(o_ref.dtype)
     else:
         o_ref[...] = o
-        m_ref[...] = m_new
+        m_ref[...] = m
         l_ref[...] = l
 
 
@@ -495,9 +592,39 @@ def combine_step_splits(o, m, l, g, out_dtype, *, interpret=False):
     )(o, m, l)
 
 
-def sparse_step(qkv, q_norm, k_norm, rope, k_cache, v_cache, layer, idx, count, tail_start,
-                q_pos, *, tail_len, num_heads, qk_norm=False, eps=1e-6, idx_layer=None,
-                x=None, interpret=False, blocks: StepBlocks = StepBlocks()):
+def _step_outputs(bq, kh, rows, plan: _ChunkPlan, spec: StepSpec, qkv_dtype, k_cache,
+                  normalize):
+    """`sparse_step`'s (out_specs, out_shape): the attention output (normalised rows, or
+    each chunk's o, m, l), then the two caches."""
+    d = k_cache.shape[-1]
+    cache_shape = jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype)
+    caches = [whole(k_cache.shape), whole(k_cache.shape)]
+    if normalize:
+        return ([whole((bq, spec.num_heads, d)), *caches],
+                [jax.ShapeDtypeStruct((bq, spec.num_heads, d), qkv_dtype), cache_shape,
+                 cache_shape])
+    spec_o = pl.BlockSpec((None, None, None, rows, d), lambda bi, h, c: (bi, h, c, 0, 0))
+    spec_v = pl.BlockSpec((None, None, None, rows), lambda bi, h, c: (bi, h, c, 0))
+    return ([spec_o, spec_v, spec_v, *caches], [
+        jax.ShapeDtypeStruct((bq, kh, plan.n_prog, rows, d), jnp.float32),  # [bq, k, J, rows, d]
+        jax.ShapeDtypeStruct((bq, kh, plan.n_prog, rows), jnp.float32),
+        jax.ShapeDtypeStruct((bq, kh, plan.n_prog, rows), jnp.float32),
+        cache_shape, cache_shape])
+
+
+def _check_step(qkv, k_cache, spec: StepSpec):
+    bq = qkv.shape[0]
+    _, b, kh, _, d = k_cache.shape
+    if bq < b:
+        raise ValueError(f"qkv has {bq} rows for a cache of {b} sequences")
+    heads = spec.num_heads + 2 * kh
+    if qkv.shape[-1] % d or qkv.shape[-1] < heads * d:
+        raise ValueError(f"qkv's last axis ({qkv.shape[-1]}) must hold the {heads} q/k/v "
+                         f"heads of width {d}, and whole heads after them")
+
+
+def sparse_step(qkv, q_norm, k_norm, rope, k_cache, v_cache, layer, index: SparseIndex, *,
+                spec: StepSpec, x=None, interpret=False, blocks: StepBlocks = StepBlocks()):
     """One draft token's attention block for one layer, in one Pallas (Triton) call:
     `sparse_step_reference`'s semantics.
 
@@ -506,62 +633,45 @@ def sparse_step(qkv, q_norm, k_norm, rope, k_cache, v_cache, layer, idx, count, 
     layer's input, when qkv is its projection before the input RMS norm (whose weight is
     folded into the projection): the kernel scales each sequence's q, k, v by the norm's
     rsqrt(mean(x**2) + eps), one kernel launch a layer fewer; q_norm, k_norm [d]: the Q
-    and K RMS-norm weights (read when qk_norm); rope [b, 2, d/2]: `rope_halves` of the
-    RoPE tables at q_pos; caches [L, b, k, s, d], written at q_pos (layer `layer`) and
-    returned; the rest as in `sparse_attention`. Every input but qkv and the norms is the
-    same for all layers of a step: built once, outside the layer loop (a per-layer stack
-    or concatenation costs a kernel launch a layer).
+    and K RMS-norm weights (read when spec.qk_norm); rope [b, 2, d/2]: `rope_halves` of
+    the RoPE tables at q_pos; caches [L, b, k, s, d], written at q_pos (layer `layer`)
+    and returned; index as in `sparse_attention`. Every input but qkv and the norms is
+    the same for all layers of a step: built once, outside the layer loop (a per-layer
+    stack or concatenation costs a kernel launch a layer).
     qkv (and x) may carry rows past the cache's b sequences (bq >= b: the model pads a
     draft's rows to `model.ROW_PAD`): their outputs are zeros and they touch no cache.
     Returns (out [bq, 1, k, g, d] in qkv.dtype, k_cache, v_cache).
     """
+    _check_step(qkv, k_cache, spec)
     bq = qkv.shape[0]
     _, b, kh, s, d = k_cache.shape
-    g = num_heads // kh
-    if bq < b:
-        raise ValueError(f"qkv has {bq} rows for a cache of {b} sequences")
-    if qkv.shape[-1] % d or qkv.shape[-1] < (num_heads + 2 * kh) * d:
-        raise ValueError(f"qkv's last axis ({qkv.shape[-1]}) must hold the {num_heads + 2 * kh} "
-                         f"q/k/v heads of width {d}, and whole heads after them")
+    g = spec.num_heads // kh
     n_rows = qkv.shape[-1] // d  # the kernel reads rows 0 .. num_heads + 2 kh - 1 only
-    idx4, cnt3, idx_layer, per_head = _index_inputs(b, idx, count, idx_layer)
-    n_idx = idx4.shape[-1]
+    idx4, cnt3, idx_layer, per_head = _index_inputs(b, index)
     normalize = b * kh >= blocks.whole_from
     if normalize:
         tiles = blocks.whole if d <= 64 else blocks.whole_wide
     else:
         tiles = blocks.split if d <= 64 else blocks.split_wide
-    bk, chunk, n_sel, n_prog = _chunking(b, kh, n_idx, tail_len, tiles, split=not normalize)
+    plan = _chunking(b, kh, idx4.shape[-1], spec.tail_len, tiles, s_len=s, d=d,
+                     split=not normalize)
     rows = pow2_at_least(g)
-    half = d // 2
-    kernel, scalars = _layer_inputs(functools.partial(
-        _step_kernel, block_k=bk, chunk=chunk, n_sel=n_sel, n_idx=n_idx, tail_len=tail_len,
-        s_len=s, scale=d**-0.5, per_head=per_head, g=g, kh=kh, qk_norm=qk_norm, eps=eps,
-        normalize=normalize, hidden=0 if x is None else x.shape[-1]), layer, idx_layer)
-    norms = [q_norm.astype(qkv.dtype), k_norm.astype(qkv.dtype)] if qk_norm else []
+    cfg = _StepConfig(per_head=per_head, g=g, kh=kh, qk_norm=spec.qk_norm, eps=spec.eps,
+                      normalize=normalize, hidden=0 if x is None else x.shape[-1])
+    kernel, scalars = _layer_inputs(functools.partial(_step_kernel, cfg=cfg, plan=plan),
+                                    layer, idx_layer)
+    norms = [q_norm.astype(qkv.dtype), k_norm.astype(qkv.dtype)] if spec.qk_norm else []
     xs = [] if x is None else [x]
     n_in = len(scalars) + 1 + len(xs) + len(norms) + 5  # index of k_cache: the caches come last
-    cache_shape = jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype)
-    if normalize:
-        out_specs = [whole((bq, num_heads, d)), whole(k_cache.shape), whole(v_cache.shape)]
-        out_shape = [jax.ShapeDtypeStruct((bq, num_heads, d), qkv.dtype), cache_shape,
-                     cache_shape]
-    else:
-        spec_o = pl.BlockSpec((None, None, None, rows, d), lambda bi, h, c: (bi, h, c, 0, 0))
-        spec_v = pl.BlockSpec((None, None, None, rows), lambda bi, h, c: (bi, h, c, 0))
-        out_specs = [spec_o, spec_v, spec_v, whole(k_cache.shape), whole(v_cache.shape)]
-        out_shape = [
-            jax.ShapeDtypeStruct((bq, kh, n_prog, rows, d), jnp.float32),  # [bq, k, J, rows, d]
-            jax.ShapeDtypeStruct((bq, kh, n_prog, rows), jnp.float32),
-            jax.ShapeDtypeStruct((bq, kh, n_prog, rows), jnp.float32),
-            cache_shape, cache_shape]
+    out_specs, out_shape = _step_outputs(bq, kh, rows, plan, spec, qkv.dtype, k_cache,
+                                         normalize)
     n_out = len(out_shape)
     res = pl.pallas_call(
         kernel,
-        grid=(bq, kh, n_prog),
+        grid=(bq, kh, plan.n_prog),
         in_specs=[*[whole((1,))] * len(scalars), whole((bq, n_rows, d)),
                   *[whole(a.shape) for a in xs],
-                  *[whole((d,))] * len(norms), whole((b, 2, half)), whole(idx4.shape),
+                  *[whole((d,))] * len(norms), whole((b, 2, d // 2)), whole(idx4.shape),
                   whole(cnt3.shape), whole((b,)), whole((b,)), whole(k_cache.shape),
                   whole(v_cache.shape)],
         out_specs=out_specs,
@@ -572,26 +682,26 @@ def sparse_step(qkv, q_norm, k_norm, rope, k_cache, v_cache, layer, idx, count, 
         interpret=interpret,
         name="vegas_sparse_step",
     )(*scalars, qkv.reshape(bq, n_rows, d), *xs, *norms, rope.astype(jnp.float32),
-      idx4, cnt3, tail_start.astype(jnp.int32), q_pos.astype(jnp.int32), k_cache, v_cache)
+      idx4, cnt3, index.tail_start.astype(jnp.int32), index.q_pos.astype(jnp.int32),
+      k_cache, v_cache)
     k_cache, v_cache = res[-2:]
     if normalize:
         out = res[0].reshape(bq, kh, g, d)
+    elif b * kh >= blocks.combine_from:
+        out = combine_step_splits(*res[:3], g, qkv.dtype, interpret=interpret)
     else:
-        if b * kh >= blocks.combine_from:
-            out = combine_step_splits(*res[:3], g, qkv.dtype, interpret=interpret)
-        else:
-            out, _ = combine_splits(*res[:3])  # [bq, kh, rows, d]
-            out = out[:, :, :g].astype(qkv.dtype)  # [bq, kh, g, d]
+        out, _ = combine_splits(*res[:3])  # [bq, kh, rows, d]
+        out = out[:, :, :g].astype(qkv.dtype)  # [bq, kh, g, d]
     return out[:, None], k_cache, v_cache
 
 
-def sparse_step_reference(qkv, q_norm, k_norm, rope, k_cache, v_cache, layer, idx, count,
-                          tail_start, q_pos, *, tail_len, num_heads, qk_norm=False, eps=1e-6,
-                          idx_layer=None, x=None):
+def sparse_step_reference(qkv, q_norm, k_norm, rope, k_cache, v_cache, layer,
+                          index: SparseIndex, *, spec: StepSpec, x=None):
     """Input-norm scale (with x), split, norm, RoPE, cache write and
     `sparse_attention_reference`, in plain XLA."""
     bq = qkv.shape[0]
     _, b, kh, s, d = k_cache.shape
+    num_heads, eps, q_pos = spec.num_heads, spec.eps, index.q_pos
     qkv = qkv[:b]  # padding rows (`sparse_step`) output zeros
     if x is not None:
         x = x[:b]
@@ -614,7 +724,7 @@ def sparse_step_reference(qkv, q_norm, k_norm, rope, k_cache, v_cache, layer, id
         rot = jnp.concatenate([-yf[..., d // 2:], yf[..., :d // 2]], axis=-1)
         return (yf * cos[:, :, None] + rot * sin[:, :, None]).astype(y.dtype)
 
-    if qk_norm:
+    if spec.qk_norm:
         q, k = rms(q, q_norm), rms(k, k_norm)
     q, k = rope(q), rope(k)
     ok = q_pos < s
@@ -625,6 +735,5 @@ def sparse_step_reference(qkv, q_norm, k_norm, rope, k_cache, v_cache, layer, id
     v_cache = v_cache.at[layer, bi, :, at].set(
         jnp.where(ok[:, None, None], v[:, 0], v_cache[layer, bi, :, at]))
     out = sparse_attention_reference(q.reshape(b, 1, kh, num_heads // kh, d), k_cache, v_cache,
-                                     layer, idx, count, tail_start, q_pos, tail_len=tail_len,
-                                     idx_layer=idx_layer)
+                                     layer, index, tail_len=spec.tail_len)
     return jnp.pad(out, ((0, bq - b),) + ((0, 0),) * 4), k_cache, v_cache

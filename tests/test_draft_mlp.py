@@ -90,6 +90,9 @@ def test_quantized_bad_inputs_raise():
         norm_gate_up(x, q8, eps=1e-6, scale=s8, fmt="int4", interpret=True)
     with pytest.raises(ValueError, match="scale must be"):
         norm_gate_up(x, q4, eps=1e-6, scale=s4[:, :8], fmt="int4", interpret=True)
+    with pytest.raises(ValueError, match="unpack"):
+        norm_gate_up(x, q8, eps=1e-6, scale=s8, fmt="int8", tile=MlpTile(unpack="ptx"),
+                     interpret=True)
     with pytest.raises(ValueError, match="multiple of 64"):
         norm_gate_up(jnp.zeros((4, 96)), q4, eps=1e-6, scale=s4, fmt="int4",
                      interpret=True)

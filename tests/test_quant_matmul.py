@@ -12,7 +12,7 @@ import pytest
 
 from pallas_kernels.quant_matmul import (FORMATS, QuantBlocks, default_blocks, dequantize,
                                          group_size, quant_matmul, quant_matmul_reference,
-                                         quantize, unpack_int4, unpack_int8)
+                                         quantize, unpack_int4, unpack_int8, weight_shape)
 from tests.cuda import lower_cuda
 
 sd = jax.ShapeDtypeStruct
@@ -65,6 +65,7 @@ def test_quantize_matches_numpy_and_round_trips(fmt, shape):
         assert q.dtype == jnp.uint8 and q.shape == (*shape[:-2], n, k // 2)
         assert s.dtype == jnp.bfloat16 and s.shape == (*shape[:-2], k // g, n)
     np.testing.assert_array_equal(np_unpack(q, fmt, g), want_q)
+    assert weight_shape(q, fmt) == (k, n)
     # dequantize: q * its column's (group's) scale, exactly; within half a step of w
     back = np.asarray(dequantize(q, s, fmt))
     per_row = (want_s[..., None, :] if fmt == "int8"

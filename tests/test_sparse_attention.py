@@ -8,10 +8,26 @@ import numpy as np
 import pytest
 
 from pallas_kernels.sparse_attention import (
-    SparseBlocks, StepBlocks, sparse_attention, sparse_attention_reference,
+    SparseBlocks, SparseIndex, StepBlocks, StepSpec, sparse_attention,
+    sparse_attention_reference,
 )
 from tests.cuda import lower_cuda
 from tests import compiled, rand
+
+
+def attend(fn, q, kc, vc, layer, idx, count, tail_start, q_pos, idx_layer=None, **kw):
+    """`fn` (the kernel or its reference) on flat index arrays, a `SparseIndex` of them."""
+    return fn(q, kc, vc, layer, SparseIndex(idx, count, tail_start, q_pos, idx_layer), **kw)
+
+
+def step(fn, qkv, q_norm, k_norm, rope, kc, vc, layer, idx, count, tail_start, q_pos, *,
+         tail_len, num_heads, qk_norm=False, eps=1e-6, idx_layer=None, **kw):
+    """`fn` (`sparse_step` or its reference) on flat index arrays and flat settings."""
+    return fn(qkv, q_norm, k_norm, rope, kc, vc, layer,
+              SparseIndex(idx, count, tail_start, q_pos, idx_layer),
+              spec=StepSpec(tail_len=tail_len, num_heads=num_heads, qk_norm=qk_norm, eps=eps),
+              **kw)
+
 
 def _fast_first(cases, fast, prefix="c"):
     """pytest params of `cases`, those not indexed in `fast` in the slow tier."""
@@ -48,19 +64,19 @@ def test_sparse_matches_reference(case):
     # padding entries hold a valid sentinel
     idx = jnp.where(jnp.arange(K) < count[..., None], idx, 0)
     layer = jnp.int32(L - 1)
-    ref = compiled.call(sparse_attention_reference, q, kc, vc, layer, idx, count, tail_start, q_pos,
-                                     tail_len=W)
+    ref = compiled.call(attend, sparse_attention_reference, q, kc, vc, layer, idx, count,
+                        tail_start, q_pos, tail_len=W)
     kw = {}
     if stacked:  # every layer's lists in one buffer: the kernel indexes entry 1
         junk = rand.randint(ks[5], idx.shape, 0, s)
         idx = jnp.stack([junk, idx, junk])
         count = jnp.stack([jnp.ones_like(count), count, jnp.ones_like(count)])
         kw["idx_layer"] = jnp.int32(1)
-        ref2 = compiled.call(sparse_attention_reference, q, kc, vc, layer, idx, count,
+        ref2 = compiled.call(attend, sparse_attention_reference, q, kc, vc, layer, idx, count,
                              tail_start, q_pos, tail_len=W, **kw)
         np.testing.assert_array_equal(np.asarray(ref2), np.asarray(ref))
-    out = compiled.call(sparse_attention, q, kc, vc, layer, idx, count, tail_start, q_pos,
-                        tail_len=W, interpret=True, **kw,
+    out = compiled.call(attend, sparse_attention, q, kc, vc, layer, idx, count, tail_start,
+                        q_pos, tail_len=W, interpret=True, **kw,
                         blocks=SparseBlocks(block_k=16, target_programs=3 * b * kh))
     assert out.shape == ref.shape and out.dtype == ref.dtype
     out = np.asarray(out, np.float32)
@@ -87,11 +103,11 @@ def test_sinks_match_reference(per_head, g, none_selected):
     sinks = 5.0 + 2.0 * rand.normal(ks[5], (kh, g), jnp.float32)  # near the LSE
     layer = jnp.int32(1)
     args = (q, kc, vc, layer, idx, count, tail_start, q_pos)
-    ref = compiled.call(sparse_attention_reference, *args, tail_len=W, sinks=sinks)
-    out = compiled.call(sparse_attention, *args, tail_len=W, sinks=sinks, interpret=True,
-                           blocks=SparseBlocks(block_k=16, target_programs=3 * b * kh))
+    ref = compiled.call(attend, sparse_attention_reference, *args, tail_len=W, sinks=sinks)
+    out = compiled.call(attend, sparse_attention, *args, tail_len=W, sinks=sinks,
+                        interpret=True, blocks=SparseBlocks(block_k=16, target_programs=3 * b * kh))
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-4, rtol=1e-4)
-    plain = compiled.call(sparse_attention_reference, *args, tail_len=W)
+    plain = compiled.call(attend, sparse_attention_reference, *args, tail_len=W)
     assert np.abs(np.asarray(plain) - np.asarray(ref)).max() > 0.05
 
 
@@ -101,13 +117,13 @@ def test_lowers_for_cuda(per_head):
     sd = jax.ShapeDtypeStruct
     ish = (b, kh, K) if per_head else (b, K)
     txt = lower_cuda(
-        functools.partial(sparse_attention, tail_len=16),
+        lambda *a: attend(sparse_attention, *a, tail_len=16),
         sd((b, 1, kh, g, d), jnp.bfloat16), sd((L, b, kh, s, d), jnp.bfloat16),
         sd((L, b, kh, s, d), jnp.bfloat16), sd((), jnp.int32), sd(ish, jnp.int32),
         sd(ish[:-1], jnp.int32), sd((b,), jnp.int32), sd((b,), jnp.int32))
     assert "xla.gpu.triton" in txt
     txt = lower_cuda(  # with gpt-oss's sinks at the combine
-        lambda *a: sparse_attention(*a[:-1], tail_len=128, sinks=a[-1]),
+        lambda *a: attend(sparse_attention, *a[:-1], tail_len=128, sinks=a[-1]),
         sd((b, 1, kh, g, d), jnp.bfloat16), sd((L, b, kh, s, d), jnp.bfloat16),
         sd((L, b, kh, s, d), jnp.bfloat16), sd((), jnp.int32), sd(ish, jnp.int32),
         sd(ish[:-1], jnp.int32), sd((b,), jnp.int32), sd((b,), jnp.int32),
@@ -159,13 +175,14 @@ def test_sparse_step_matches_reference(case, with_x):
     if with_x:
         x = rand.normal(ks[7], (b, 3 * d // 2)) * jnp.linspace(0.2, 5.0, b)[:, None]
         kw["x"] = x.astype(dtype)
-    ref, rk, rv = compiled.call(sparse_step_reference, *args, **kw)
+    ref, rk, rv = compiled.call(step, sparse_step_reference, *args, **kw)
     # unsplit: a tail shorter than the list's blocks walks its own, smaller blocks
     sb = SparseBlocks(block_k=32 if unsplit else 16, target_programs=3 * b * kh)
     # split: the chunks combined by the Pallas kernel (with x) or by XLA (without)
     blocks = StepBlocks(split=sb, whole=sb, whole_from=1 if unsplit else 10**6,
                         combine_from=1 if with_x else 10**6)
-    out, ok_, ov = compiled.call(sparse_step, *args, **kw, interpret=True, blocks=blocks)
+    out, ok_, ov = compiled.call(step, sparse_step, *args, **kw, interpret=True,
+                                 blocks=blocks)
     assert out.shape == ref.shape and out.dtype == ref.dtype
     tol = 2e-2 if dtype == jnp.bfloat16 else 1e-4
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32),
@@ -201,11 +218,11 @@ def test_sparse_step_padding_rows_output_zeros_and_touch_no_cache(unsplit):
     kw = dict(tail_len=W, num_heads=n, qk_norm=True, idx_layer=jnp.int32(1))
     sb = SparseBlocks(block_k=16, target_programs=2 * b * kh)
     blocks = StepBlocks(split=sb, whole=sb, whole_from=1 if unsplit else 10**6, combine_from=1)
-    out, ok_, ov = compiled.call(sparse_step, qkv, *args, **kw, x=x, interpret=True,
+    out, ok_, ov = compiled.call(step, sparse_step, qkv, *args, **kw, x=x, interpret=True,
                                  blocks=blocks)
-    one, k1, v1 = compiled.call(sparse_step, qkv[:b], *args, **kw, x=x[:b], interpret=True,
-                                blocks=blocks)
-    ref, rk, rv = compiled.call(sparse_step_reference, qkv, *args, **kw, x=x)
+    one, k1, v1 = compiled.call(step, sparse_step, qkv[:b], *args, **kw, x=x[:b],
+                                interpret=True, blocks=blocks)
+    ref, rk, rv = compiled.call(step, sparse_step_reference, qkv, *args, **kw, x=x)
     assert out.shape == ref.shape == (bq, 1, kh, g, d)
     np.testing.assert_allclose(np.asarray(out[:b]), np.asarray(one), rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-4, atol=1e-4)
@@ -223,8 +240,8 @@ def test_sparse_step_lowers_for_cuda():
     sd = jax.ShapeDtypeStruct
     bf = jnp.bfloat16
     for blocks in (StepBlocks(whole_from=1), StepBlocks(whole_from=10**6)):
-        fn = functools.partial(sparse_step, tail_len=13, num_heads=kh * g, qk_norm=True,
-                               blocks=blocks)
+        fn = functools.partial(step, sparse_step, tail_len=13, num_heads=kh * g,
+                               qk_norm=True, blocks=blocks)
         txt = lower_cuda(
             fn, sd((b, 1, (kh * g + 2 * kh) * d), bf), sd((d,), bf), sd((d,), bf),
             sd((b, 2, d // 2), jnp.float32), sd((L, b, kh, s, d), bf), sd((L, b, kh, s, d), bf),

@@ -21,7 +21,7 @@ from jax import lax
 
 from pallas_kernels.topk import PALLAS_MAX_KEYS
 from pallas_kernels.sparse_attention import (
-    sparse_attention, sparse_attention_reference, sparse_step,
+    SparseIndex, StepSpec, sparse_attention, sparse_attention_reference, sparse_step,
 )
 from pallas_kernels.verify_attention import (
     INVARIANT, INVARIANT_PREFILL, CaptureSpec, VerifyBlocks, capture_buffer, cudnn_attention,
@@ -135,6 +135,12 @@ def index_axes(idx) -> dict:
     return dict(idx=("layers", "batch", "selected"), count=("layers", "batch"))
 
 
+def _index_axes(idx) -> SparseIndex:
+    """Logical axes of a sparse draft's `SparseIndex`, field by field."""
+    return SparseIndex(**index_axes(idx), tail_start=("batch",), q_pos=("batch",),
+                       idx_layer=())
+
+
 def per_device(fn, xc, args: dict, axes: dict, out_axes):
     """fn(**args) on each device's shard (tp > 1, Pallas path), else fn(**args). args:
     the arrays by name (None ones left out: fn's defaults); axes: each one's logical axes
@@ -145,7 +151,8 @@ def per_device(fn, xc, args: dict, axes: dict, out_axes):
     out_specs = jax.tree.map(lambda a: None if a is None else TP_RULES.spec(a), out_axes,
                              is_leaf=lambda a: a is None or _is_axes(a))
     return jax.shard_map(lambda a: fn(**a), mesh=mesh(xc.tp),
-                         in_specs=({k: TP_RULES.spec(axes[k]) for k in args},),
+                         in_specs=({k: jax.tree.map(TP_RULES.spec, axes[k], is_leaf=_is_axes)
+                                    for k in args},),
                          out_specs=out_specs, check_vma=False)(args)
 
 
@@ -245,11 +252,11 @@ def _sparse(plan: AttnPlan, xc, args: dict, positions, window, slot):
     count, tail_start = skipped(plan, xc, count, tail_start, positions)
     fn = (functools.partial(sparse_attention, interpret=xc.interpret) if xc.pallas
           else sparse_attention_reference)
-    axes = dict(q=Q_AXES, k_cache=CACHE_AXES, v_cache=CACHE_AXES, layer=(), **index_axes(idx),
-                tail_start=("batch",), q_pos=("batch",), idx_layer=(), sinks=SINK_AXES)
+    axes = dict(q=Q_AXES, k_cache=CACHE_AXES, v_cache=CACHE_AXES, layer=(),
+                index=_index_axes(idx), sinks=SINK_AXES)
+    index = SparseIndex(idx, count, tail_start, positions[:, 0], at)
     return per_device(functools.partial(fn, tail_len=plan.tail_len), xc,
-                      dict(args, idx=idx, count=count, tail_start=tail_start,
-                           q_pos=positions[:, 0], idx_layer=at), axes, Q_AXES)
+                      dict(args, index=index), axes, Q_AXES)
 
 
 def skips(plan: AttnPlan, xc) -> bool:
@@ -286,15 +293,15 @@ def sparse_block(plan: AttnPlan, xc, cfg, qkv, q_norm, k_norm, rope, k_cache, v_
     input, when qkv projects it before the input norm's row scale (the kernel applies it).
     Returns (out [b, 1, k, g, d], k_cache, v_cache)."""
 
-    fn = functools.partial(sparse_step, tail_len=plan.tail_len,
-                           num_heads=cfg.num_heads // xc.tp, qk_norm=cfg.qk_norm,
-                           eps=cfg.rms_norm_eps, interpret=xc.interpret)
+    spec = StepSpec(tail_len=plan.tail_len, num_heads=cfg.num_heads // xc.tp,
+                    qk_norm=cfg.qk_norm, eps=cfg.rms_norm_eps)
+    fn = functools.partial(sparse_step, spec=spec, interpret=xc.interpret)
     count, tail_start = skipped(plan, xc, plan.count, plan.tail_start, positions)
+    index = SparseIndex(plan.idx, count, tail_start, positions[:, 0],
+                        layer if plan.layered else 0)
     args = dict(qkv=qkv, q_norm=q_norm, k_norm=k_norm, rope=rope, k_cache=k_cache,
-                v_cache=v_cache, layer=layer, idx=plan.idx, count=count, tail_start=tail_start,
-                q_pos=positions[:, 0], idx_layer=layer if plan.layered else 0, x=x)
+                v_cache=v_cache, layer=layer, index=index, x=x)
     axes = dict(qkv=("batch", "seq", "qkv"), q_norm=("head_dim",), k_norm=("head_dim",),
                 rope=("batch", "rope", "rope"), k_cache=CACHE_AXES, v_cache=CACHE_AXES,
-                layer=(), **index_axes(plan.idx), tail_start=("batch",), q_pos=("batch",),
-                idx_layer=(), x=("batch", "hidden"))
+                layer=(), index=_index_axes(plan.idx), x=("batch", "hidden"))
     return per_device(fn, xc, args, axes, (Q_AXES, CACHE_AXES, CACHE_AXES))

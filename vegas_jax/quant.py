@@ -23,7 +23,7 @@ from flax import struct
 from jax import lax
 
 from pallas_kernels.quant_matmul import (
-    FORMATS, quant_matmul, quant_matmul_reference, quantize,
+    FORMATS, quant_matmul, quant_matmul_reference, quantize, weight_shape,
 )
 from vegas_jax.params import Params, map_layers
 
@@ -36,10 +36,11 @@ DRAFT_MATMULS = ("w_qkv", "wo", "w_gate_up", "w_down")
 
 @struct.dataclass
 class QuantWeight:
-    """A [..., k, n] weight quantized to `fmt` (`pallas_kernels.quant_matmul.quantize`):
-    q int8 [..., k, n] or uint8 [..., k/2, n] (int4, two values a byte), scale [..., n]
-    (int8) or [..., k/G, n] (int4). layer: set by `at_layer` on a stacked weight [L, ...],
-    whose layer the matmul reads in place (no slice copied), else None."""
+    """A [..., k, n] weight quantized to `fmt` (`pallas_kernels.quant_matmul.quantize`),
+    stored k-contiguous: q int8 [..., n, k] or uint8 [..., n, k/2] (int4, two values a
+    byte), scale [..., n] (int8) or [..., k/G, n] (int4). layer: set by `at_layer` on a
+    stacked weight [L, ...], whose layer the matmul reads in place (no slice copied),
+    else None."""
 
     q: jax.Array
     scale: jax.Array
@@ -53,12 +54,12 @@ class QuantWeight:
     @property
     def k(self) -> int:
         """The weight's input width."""
-        return self.q.shape[-2] * (2 if self.fmt == "int4" else 1)
+        return weight_shape(self.q, self.fmt)[0]
 
     @property
     def n(self) -> int:
         """The weight's output width."""
-        return self.q.shape[-1]
+        return weight_shape(self.q, self.fmt)[1]
 
     def layer_q(self):
         """q of one layer's weight (the `layer` of a stacked one: sliced)."""
