@@ -359,7 +359,7 @@ def test_bench_sweeps_draft_weights(capsys):
         ("vanilla", None), ("vegas", "same"), ("vegas", "int4")]
     assert all(r["equal_sequences"] == 2 for r in rows[1:])
     assert bench.main(["--draft-weights", "same,fp8", *BENCH_WORKLOAD]) == 2
-    assert "draft_weights must be one of" in capsys.readouterr().err
+    assert "--draft-weights must be one of" in capsys.readouterr().err
 
 
 @pytest.mark.slow
