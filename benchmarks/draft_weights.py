@@ -153,6 +153,7 @@ def time_shape(model, spec, sp, batch: int, context: int, formats, reps: int, ra
         row.update(floors(cfg, s, model.params, fmt, batch, context, rate))
         row["break_even_tau"] = row["round_ms"] / vanilla_ms
         rows.append(row)
+        print(json.dumps(row), flush=True)  # kept if a time limit ends the run
         cache = ph.state.cache.replace(lengths=ph.n)
         del ph, m
         gc.collect()
@@ -210,15 +211,19 @@ def main(argv=None) -> int:
     for b, c in shapes:
         out["rows"] += time_shape(model, spec, SamplingParams(), b, c, formats, args.reps, rate)
         print(f"done {b} x {c}", file=sys.stderr, flush=True)
+        save(out, shapes, args.json)  # after each shape: kept if a time limit ends the run
     print(format_table(out["rows"]))
-    paths = [args.json] if args.json else []
+    return 0 if ok else 1
+
+
+def save(out: dict, shapes, path: str | None) -> None:
+    paths = [path] if path else []
     if os.environ.get("OUT"):
         name = "draft_weights_" + "_".join(f"{b}x{c}" for b, c in shapes) + ".json"
         paths.append(os.path.join(os.environ["OUT"], name))
-    for path in paths:
-        with open(path, "w") as f:
+    for p in paths:
+        with open(p, "w") as f:
             json.dump(out, f, indent=1)
-    return 0 if ok else 1
 
 
 if __name__ == "__main__":
