@@ -1,5 +1,6 @@
 """vegas_jax: self-speculative decoding with verification-guided sparse attention."""
 
+from vegas_jax.auto_choice import AutoPolicy
 from vegas_jax.config import REGISTRY, ModelConfig, get_config
 from vegas_jax.execution import ExecConfig
 from vegas_jax.generate import generate
@@ -19,6 +20,6 @@ def __getattr__(name):
 
 
 __all__ = [
-    "ExecConfig", "GenerationResult", "METHODS", "Model", "ModelConfig", "REGISTRY", "SamplingParams",
+    "AutoPolicy", "ExecConfig", "GenerationResult", "METHODS", "Model", "ModelConfig", "REGISTRY", "SamplingParams",
     "SpecConfig", "generate", "get_config", "load_model", "speculative_generate",
 ]
