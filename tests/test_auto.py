@@ -498,3 +498,76 @@ def test_controller_does_not_time_a_read_that_a_stalled_dispatch_delayed(clock):
     for c, ts in _kept(ctl).items():
         assert ts == pytest.approx([cost[c]] * len(ts), abs=1e-9), (c, ts)
     assert len(_kept(ctl)) >= 2 and ctl.calls[PLAIN] == 0
+
+
+# ---------------------------------------------------------------------------------------
+# The bound on a round's speedup, from what each call reads (`auto_bound`)
+# ---------------------------------------------------------------------------------------
+
+def _shapes(name, dtype):
+    """A registered model's params as shapes only (nothing allocated)."""
+    from types import SimpleNamespace
+
+    from vegas_jax.config import get_config
+    from vegas_jax.params import init_params
+
+    cfg = get_config(name)
+    params = jax.eval_shape(lambda k: init_params(cfg, k, dtype), jax.random.PRNGKey(0))
+    return SimpleNamespace(config=cfg, params=params)
+
+
+def test_round_bound_is_the_bytes_roofline():
+    """(gamma + 1) / (1 + gamma * rho), rho = (weights + the draft's cache reads) / (weights
+    + the step's): SmolLM2 in bf16, one sequence at a mean context of 4096 on the Pallas
+    path (visible positions only): a draft reads its budget (7 % of the context, at least
+    256) and gamma tail positions."""
+    from vegas_jax.auto_bound import draft_positions, round_bounds, weight_bytes
+
+    m = _shapes("smollm2-135m", jnp.bfloat16)
+    spec = SpecConfig(method="auto", gamma=6)
+    w = weight_bytes(m.params, m.config, 1)
+    assert w == pytest.approx(134_515_008 * 2)  # SmolLM2-135M's parameters (tied), bf16
+    per_pos = 30 * 2 * 3 * 64 * 2  # layers x (K, V) x kv heads x head dim x bytes
+    assert draft_positions(spec, 6, 4096) == 288 + 6  # ceil(0.07 x 4103) + the tail
+    rho = (w + per_pos * 294) / (w + per_pos * 4096)
+    bounds = round_bounds(m, spec, (4, 6, 8), False, 1, [4096], 4352)
+    assert bounds[6] == pytest.approx(7 / (1 + 6 * rho))
+    assert bounds[4] < bounds[6] < bounds[8]  # more drafts a round, more to gain
+    # the XLA reference reads the whole cache each step: more for a step, not for a draft
+    assert round_bounds(m, spec, (6,), True, 1, [4096], 8192)[6] > bounds[6]
+
+
+@pytest.mark.parametrize("dtype,slots,context,new,xla,allowed", [
+    # a CPU at B 1 (fp32, the XLA path): a draft step reads what a step reads
+    (jnp.float32, 1, 40, 300, True, False),
+    (jnp.float32, 1, 40, 2000, True, False),
+    # GPU rows of RESULTS.md (bf16, Pallas): 7.6K prompts, 256 new, B 1 and B 64
+    (jnp.bfloat16, 1, 7680, 256, False, True),
+    (jnp.bfloat16, 64, 7680, 256, False, True),
+    # B 64 of short chat prompts: min_tokens (256) covers their whole context
+    (jnp.bfloat16, 64, 40, 200, False, False),
+])
+def test_rounds_allowed_only_where_they_could_pay(dtype, slots, context, new, xla, allowed):
+    from vegas_jax.auto_bound import round_bounds
+    from vegas_jax.prompts import plan_cache_len
+
+    m = _shapes("smollm2-135m", dtype)
+    ctl = AutoController(SpecConfig(method="auto", gamma=6))
+    max_len = plan_cache_len(m.config, [context], new, 18)
+    bounds = round_bounds(m, ctl.spec, ctl.gammas, xla, slots, [context + new / 2], max_len)
+    assert ctl.allow_rounds(bounds) == allowed, bounds
+    assert all(1.0 <= b <= g + 1 for g, b in bounds.items())
+    assert ctl.stats()["round_bound"] == {f"gamma {g}": pytest.approx(b, abs=1e-4)
+                                          for g, b in bounds.items()}
+
+
+def test_weights_read_leave_out_an_untied_embedding_and_unrouted_experts():
+    from vegas_jax.auto_bound import weight_bytes
+    from vegas_jax.params import param_bytes
+
+    m = _shapes("qwen3-30b-a3b", jnp.bfloat16)
+    cfg, total = m.config, param_bytes(m.params)
+    embed = cfg.vocab_size * cfg.hidden_size * 2
+    one, many = weight_bytes(m.params, cfg, 1), weight_bytes(m.params, cfg, 4096)
+    assert many == pytest.approx(total - embed, rel=1e-3)  # every expert in use
+    assert one < 0.2 * total  # 8 of 128 experts: about 3B of 30B parameters

@@ -142,7 +142,8 @@ def test_auto_is_timed_with_its_candidates_compiled(prompts_json, tiny, capsys, 
     try:
         rc = bench.main(["--prompts-json", prompts_json, *BENCH_WORKLOAD, *SPEC,
                          "--methods", "vanilla,auto", "--profile-reps", "0", "--json"],
-                        model=tiny, auto_policy=AutoPolicy(build_min_calls=0))  # 16 tokens
+                        model=tiny,  # 16 tokens: a few calls; a round could pay little here
+                        auto_policy=AutoPolicy(build_min_calls=0, min_gain=1.0))
     finally:
         _LISTEN.clear()
     assert rc == 0 and _COMPILES == []

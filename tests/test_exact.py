@@ -12,7 +12,7 @@ from pallas_kernels.rms_norm import rms_norm, rms_norm_reference
 from pallas_kernels.verify_attention import INVARIANT, CaptureSpec, verify_attention
 from tests import compiled
 from tests.tiny import tiny_model
-from vegas_jax import ExecConfig, SpecConfig, generate, speculative_generate
+from vegas_jax import AutoPolicy, ExecConfig, SpecConfig, generate, speculative_generate
 from vegas_jax.attention import AttnPlan
 from vegas_jax.cache import init_cache
 from vegas_jax.execution import model_jit
@@ -175,7 +175,8 @@ def test_exact_greedy_speculative_equals_vanilla_in_bf16(tiny_bf16, prompts, met
     xc = ExecConfig(backend="pallas", exact=True)
     ref = generate(tiny_bf16, prompts, 12, exec_config=xc)
     out = speculative_generate(tiny_bf16, prompts, 12, SpecConfig(method=method, gamma=3,
-                                                                  min_tokens=8), exec_config=xc)
+                                                                  min_tokens=8), exec_config=xc,
+                               auto_policy=AutoPolicy(min_gain=1.0))  # auto: rounds
     assert out.tokens == ref.tokens
     assert out.stats["rounds"] > 0
 

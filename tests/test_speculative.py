@@ -43,6 +43,9 @@ PALLAS = ExecConfig(backend="pallas", layers="scan")
 NEW = SPEC_NEW
 GAMMA = 3
 AUTO_GAMMA = 1  # auto's candidates: gammas 1 and 3 (and plain steps)
+# auto speculating wherever a round could tie plain steps: on these tiny models and short
+# contexts no round can beat them (`auto_bound`), and auto's default decodes plainly
+ROUNDS = AutoPolicy(min_gain=1.0)
 
 
 def test_method_lists_are_the_products():
@@ -75,7 +78,8 @@ def run(setup):
             gamma = AUTO_GAMMA if method == "auto" else GAMMA
             spec = SpecConfig(**{"method": method, "gamma": gamma, "min_tokens": 8,
                                  "score": score, **kw})
-            done[key] = speculative_generate(model, prompts, NEW, spec, exec_config=xc)
+            done[key] = speculative_generate(model, prompts, NEW, spec, exec_config=xc,
+                                             auto_policy=ROUNDS)
         return done[key]
 
     return get
@@ -110,7 +114,8 @@ def _check_stats(st, n_prompts, gamma):
     # tau (mean acceptance length) = 1 + the sum of the cumulative acceptance by position,
     # and the cumulative is the running product of the conditional one
     assert st["tau"] == pytest.approx(1 + sum(st["acceptance_cumulative"]))
-    assert np.allclose(np.cumprod(st["acceptance_conditional"]), st["acceptance_cumulative"])
+    cond = [0.0 if c is None else c for c in st["acceptance_conditional"]]  # None: unreached
+    assert np.allclose(np.cumprod(cond), st["acceptance_cumulative"])
     # per sequence: each prompt's own tau, whose round-weighted mean is the batch's
     r = np.array(st["rounds_by_sequence"])
     assert len(r) == n_prompts and (r > 0).all()
@@ -148,9 +153,11 @@ def test_eos_stops_each_sequence(setup, run):
 
 
 def test_auto_equals_vanilla_and_reports_its_choices(setup, run):
-    _, _, vanilla = setup
+    _, prompts, vanilla = setup
     res = run("auto")
     assert res.tokens == vanilla.tokens
+    _check_stats(res.stats, len(prompts), AUTO_GAMMA)  # gamma 1 alone: see below
+    assert res.stats["gamma"] == 1 and list(res.stats["by_gamma"]) == [1]
     auto = res.stats["auto"]
     assert auto["calls"]["gamma 1"] >= 1
     assert set(auto["tokens_per_s_per_seq"]) <= {"vanilla", "gamma 1", "gamma 3"}
@@ -169,7 +176,8 @@ def test_auto_builds_in_the_background_while_it_decodes(setup, run):
     res = speculative_generate(model, prompts, NEW, SpecConfig(method="auto", gamma=AUTO_GAMMA,
                                                                min_tokens=8), exec_config=XLA,
                                auto_policy=AutoPolicy(build_min_calls=0, build_min_cover=0.0,
-                                                      background=True))  # also on the CPU
+                                                      background=True,  # also on the CPU
+                                                      min_gain=1.0))
     _join_builds()
     assert res.tokens == vanilla.tokens
     auto = res.stats["auto"]
@@ -196,7 +204,7 @@ def test_auto_decodes_before_its_other_candidates_are_built(setup, run, monkeypa
     res = speculative_generate(model, prompts, NEW, SpecConfig(method="auto", gamma=AUTO_GAMMA,
                                                                min_tokens=8), exec_config=XLA,
                                auto_policy=AutoPolicy(build_min_calls=0, build_min_cover=0.0,
-                                                      background=True))
+                                                      background=True, min_gain=1.0))
     gate.set()
     _join_builds()
     assert res.tokens == vanilla.tokens
@@ -232,7 +240,7 @@ def test_auto_built_before_its_second_call_explores_and_chooses(setup, run):
     try:
         res = speculative_generate(model, prompts, NEW, SpecConfig(
             method="auto", gamma=AUTO_GAMMA, min_tokens=8), exec_config=XLA,
-            auto_policy=AutoPolicy(background=False))
+            auto_policy=AutoPolicy(background=False, min_gain=1.0))
     finally:
         _LISTEN.clear()
     assert res.tokens == vanilla.tokens
@@ -253,10 +261,47 @@ def test_auto_switching_gammas_and_plain_steps_stays_lossless(setup, run, monkey
     monkeypatch.setattr(AutoController, "choose", lambda self: Config(next(order)))
     model, prompts, *_ = setup
     res = speculative_generate(model, prompts, NEW, SpecConfig(method="auto", gamma=AUTO_GAMMA,
-                                                               min_tokens=8), exec_config=XLA)
+                                                               min_tokens=8), exec_config=XLA,
+                               auto_policy=ROUNDS)
     assert res.tokens == vanilla.tokens
-    calls = res.stats["auto"]["calls"]
+    st = res.stats
+    calls = st["auto"]["calls"]
     assert calls["vanilla"] >= 2 and calls["gamma 1"] >= 2 and calls["gamma 3"] >= 2
+    # the stats add up over the rounds run: tau = 1 + the cumulative acceptance, pooled and
+    # for each gamma; the rounds of each gamma and the plain calls are the calls read
+    assert st["tau"] == pytest.approx(1 + sum(st["acceptance_cumulative"]))
+    assert len(st["acceptance_cumulative"]) == 3 and set(st["by_gamma"]) == {1, 3}
+    for g, r in st["by_gamma"].items():
+        assert r["tau"] == pytest.approx(1 + sum(r["acceptance_cumulative"]))
+        assert len(r["acceptance_cumulative"]) == g
+    assert sum(r["rounds"] for r in st["by_gamma"].values()) == st["rounds"]
+    assert st["rounds"] + st["plain_calls"] == st["device_calls"] == len(st["accepted_by_call"])
+    assert st["gamma"] in (1, 3)
+
+
+def test_auto_decodes_plainly_where_no_round_can_pay(setup):
+    """One prompt, the default budget floor (256 positions: the whole context): a draft
+    step reads what a plain step reads, so no round can pay (`auto_bound`) and auto runs
+    vanilla's own programs (it compiles nothing a vanilla run of the same shapes did not)
+    and tokens; its stats say so, and add up (tau 1, no rounds, every call plain)."""
+    model, prompts, _ = setup
+    vanilla = generate(model, prompts[:1], NEW)
+    _MAIN_COMPILES.clear()
+    _LISTEN.set()
+    try:
+        res = speculative_generate(model, prompts[:1], NEW, SpecConfig(method="auto", gamma=3))
+    finally:
+        _LISTEN.clear()
+    assert res.tokens == vanilla.tokens and _MAIN_COMPILES == []
+    st, auto = res.stats, res.stats["auto"]
+    assert st["method"] == "auto" and not auto["rounds_allowed"]
+    assert max(auto["round_bound"].values()) < auto["min_gain"] == AutoPolicy().min_gain
+    # the calls read, and one dispatched after the last (never read)
+    assert st["device_calls"] == vanilla.stats["device_calls"] == st["plain_calls"]
+    assert auto["calls"] == {"vanilla": st["device_calls"] + 1}
+    assert auto["choice"] == "vanilla" and auto["build"] == "none" and auto["compiled"] == 1
+    assert st["rounds"] == 0 and st["gamma"] == 0 and st["tau"] == 1.0
+    assert st["acceptance_cumulative"] == [] and st["by_gamma"] == {}
 
 
 # At sparsity 1 every position is selected whatever the scores (the draft is the target
@@ -283,7 +328,7 @@ def test_auto_rounds_after_a_larger_gamma_see_their_own_positions(setup, monkeyp
     monkeypatch.setattr(AutoController, "choose", lambda self: Config(next(order)))
     res = speculative_generate(model, prompts, NEW, SpecConfig(method=Auto(gammas=(2, 6)),
                                                                gamma=6, sparsity=1.0,
-                                                               min_tokens=1))
+                                                               min_tokens=1), auto_policy=ROUNDS)
     assert res.tokens == vanilla.tokens
     calls = res.stats["auto"]["calls"]
     assert calls["gamma 2"] >= 2 and calls["gamma 6"] >= 2

@@ -16,6 +16,7 @@ if _command_starting():  # Ctrl-C exits quietly from the first import on (jax ta
 
     exit_on_interrupt()
 
+from vegas_jax.auto_choice import AutoPolicy
 from vegas_jax.config import REGISTRY, ModelConfig, get_config
 from vegas_jax.execution import ExecConfig
 from vegas_jax.generate import generate
@@ -35,6 +36,7 @@ def __getattr__(name):
 
 
 __all__ = [
-    "ExecConfig", "GenerationResult", "METHODS", "Model", "ModelConfig", "REGISTRY", "SamplingParams",
-    "SpecConfig", "generate", "get_config", "load_model", "speculative_generate",
+    "AutoPolicy", "ExecConfig", "GenerationResult", "METHODS", "Model", "ModelConfig",
+    "REGISTRY", "SamplingParams", "SpecConfig", "generate", "get_config", "load_model",
+    "speculative_generate",
 ]

@@ -1,11 +1,14 @@
 """`method="auto"`: vegas with gamma, or plain decoding, chosen call by call while
 generating, from measured call times and the acceptance seen so far.
 
-Start: auto decodes at once with its configured gamma, which its first call compiles (as
-a fixed method's does); the other candidates are built after it (`auto_build`). Until
-they are, every call runs the configured gamma and none is timed; then the controller
-explores and chooses (`auto_choice`). Acceptance is counted throughout: it is the
-device's, not the clock's (`auto_capture`)."""
+Before anything is compiled, the sizes decide whether a round could pay at all: where no
+candidate's bound (`auto_bound`: what a draft step reads beside a plain step) reaches
+`AutoPolicy.min_gain`, auto decodes plainly throughout, with vanilla's programs
+(`decode_plainly`). Otherwise it decodes at once with its configured gamma, which its
+first call compiles (as a fixed method's does); the other candidates are built after it
+(`auto_build`). Until they are, every call runs the configured gamma and none is timed;
+then the controller explores and chooses (`auto_choice`). Acceptance is counted
+throughout: it is the device's, not the clock's (`auto_capture`)."""
 
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ import numpy as np
 from vegas_jax.auto_build import Build, BuildScheduler, compile_only  # noqa: F401 (re-exported)
 from vegas_jax.auto_capture import AcceptanceCounter, CallTimer
 from vegas_jax.auto_choice import (
-    PLAIN, AutoPolicy, Config, Evidence, decide, estimate, first_exploration,
+    PLAIN, AutoPolicy, Config, Evidence, Exploration, decide, estimate, first_exploration,
 )
 
 
@@ -46,6 +49,7 @@ class AutoController:
         self.runners: dict[Config, Callable] = {}
         self.n_active = None  # sequences the next call decodes (from the latest read)
         self.prev: Config | None = None  # the configuration read before this one
+        self.bounds: dict[int, float] = {}  # gamma -> a round's best speedup (`allow_rounds`)
 
     @property
     def configs(self) -> tuple[Config, ...]:
@@ -61,6 +65,18 @@ class AutoController:
         rest = [Config(g) for g in sorted(self.gammas, reverse=True)
                 if Config(g) not in (start, second)]
         self.build.plan(c for c in (second, *rest, PLAIN) if c is not None)
+
+    def allow_rounds(self, bounds: dict[int, float]) -> bool:
+        """Record each candidate gamma's bound on a round's speedup over plain steps
+        (`auto_bound`); whether any reaches the policy's `min_gain` (else auto decodes
+        plainly: `decode_plainly`)."""
+        self.bounds = dict(bounds)
+        return max(self.bounds.values()) >= self.policy.min_gain
+
+    def decode_plainly(self, run: Callable):
+        """Plain steps only, `run(state) -> (state, out)` a call: no round is compiled."""
+        self.runners = {PLAIN: run}
+        self.plan = Exploration(PLAIN)
 
     def evidence(self) -> Evidence:
         fair, loose = self.timer.timed()
@@ -112,6 +128,11 @@ class AutoController:
         ms = lambda t: None if t is None else round(1e3 * t, 3)  # noqa: E731
         line = est.active_line
         return {
+            # gamma -> the most a round could gain over plain steps (`auto_bound`), and
+            # whether any reached `min_gain` (else every call was plain steps)
+            "round_bound": {Config(g).name: round(b, 4) for g, b in self.bounds.items()},
+            "min_gain": self.policy.min_gain,
+            "rounds_allowed": not self.plan.start.plain,
             "calls": {c.name: n for c, n in sorted(self.calls.items())},
             "tokens_per_s_per_seq": {c.name: float(r) for c, r in sorted(est.rates.items())},
             "choice": None if est.best() is None else est.best().name,

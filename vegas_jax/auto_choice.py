@@ -75,6 +75,11 @@ class AutoPolicy:
     # False: the first read waits for them however short the generation (benchmarks of
     # the adaptive choice from the first calls on); True: in the background
     background: bool | None = None
+    # a round must be able to beat plain steps by this much, at best (`auto_bound`), or
+    # auto decodes plainly and compiles no round: the bound leaves out the verify's extra
+    # tokens, the selection and the compiles (RESULTS.md "auto vs vegas": B 1 gains far
+    # less than its bound). 1: speculate wherever a round could at least tie.
+    min_gain: float = 1.25
 
     def __post_init__(self):
         if self.window < 1 or self.plain_steps < 1 or self.reprobe < 1:
@@ -279,6 +284,8 @@ def first_exploration(policy: AutoPolicy, gammas: tuple[int, ...], g0: int) -> E
 
 def decide(policy: AutoPolicy, ev: Evidence, plan: Exploration) -> tuple[Config, Exploration]:
     """The next call's configuration and the exploration after it."""
+    if plan.start.plain:  # decoding plainly throughout (`AutoPolicy.min_gain`)
+        return PLAIN, plan
     est = estimate(policy, ev)
     rates = est.rates
     if plan.queue and not plan.queue[0].plain and PLAIN in rates:

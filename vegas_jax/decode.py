@@ -156,24 +156,42 @@ def _log_stats(st, spec, log) -> None:
     log(f"[vegas_jax] {st['decode_tokens']} tokens in {st['decode_s']:.2f}s (batch "
         f"{st['batch']}; the first call, compiling, took {st['first_call_s']:.2f}s); "
         f"{st['decode_tokens_per_s']:.1f} tok/s after it; prefill {st['prefill_s']:.2f}s")
-    if spec.method.speculative:
-        # no round read (auto stayed on plain steps; the last call is never read): no tau
+    if "auto" in st:
+        for line in _auto_lines(spec, st, acc):
+            log(f"[vegas_jax] {line}")
+    elif spec.method.speculative:
+        # no round read (the last call is never read): no tau
         tau = f"{st['tau']:.2f}" if st["rounds"] else "-"
         log(f"[vegas_jax] method={spec.name} gamma={spec.gamma} sparsity={spec.sparsity} "
             f"tau={tau} tokens/round over {st['rounds']} rounds; acceptance of "
             f"draft i given 1..i-1 accepted: [{acc}]")
-    if "auto" in st:
-        a = st["auto"]
-        calls = ", ".join(f"{k} x{n}" for k, n in a["calls"].items())
-        n = a["built_after_calls"]
-        built = {"skipped": "not built, too little decoding left to build and try them",
-                 "running": "still compiling in the background at the end",
-                 "done": f"compiled in {a['compile_s'] or 0:.1f}s "
-                 + ("in the background" if a["build_background"] else "at the first read")
-                 + (", after the last call" if n is None else f", in use from call {n + 1}")
-                 }.get(a["build"], a["build"])
-        log(f"[vegas_jax] auto: device calls {calls}; best now {a['choice'] or '-'} (started "
-            f"on gamma {spec.gamma}; the other candidates {built})")
+
+
+def _auto_lines(spec, st, acc) -> list[str]:
+    """auto's stats lines: what it ran (rounds of each gamma and their tau, plain calls),
+    or why it decoded plainly; what it measured and built."""
+    a = st["auto"]
+    best = max(a["round_bound"].items(), key=lambda kv: kv[1], default=(None, 1.0))
+    if not a["rounds_allowed"]:
+        return [f"method=auto decoded plainly ({st['plain_calls']} calls of plain steps): a "
+                f"round could at best be {best[1]:.2f}x plain steps here ({best[0]}, from what "
+                f"a draft step reads beside a plain step), below the {a['min_gain']:.2f}x it "
+                "needs; no round compiled"]
+    ran = ", ".join(f"gamma {g} x{r['rounds']} tau {r['tau']:.2f}"
+                    for g, r in st["by_gamma"].items())
+    n = a["built_after_calls"]
+    built = {"skipped": "not built, too little decoding left to build and try them",
+             "running": "still compiling in the background at the end",
+             "done": f"compiled in {a['compile_s'] or 0:.1f}s "
+             + ("in the background" if a["build_background"] else "at the first read")
+             + (", after the last call" if n is None else f", in use from call {n + 1}")
+             }.get(a["build"], a["build"])
+    chosen = a["choice"] or "nothing timed"
+    return [f"method=auto sparsity={spec.sparsity} tau={st['tau']:.2f} tokens/round over "
+            f"{st['rounds']} rounds ({ran or 'none'}) and {st['plain_calls']} calls of plain "
+            f"steps; acceptance of draft i given 1..i-1 accepted: [{acc}]",
+            f"auto: fastest measured {chosen} (started on gamma {spec.gamma}, a round "
+            f"at best {best[1]:.2f}x plain steps; the other candidates {built})"]
 
 
 if __name__ == "__main__":

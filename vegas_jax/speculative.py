@@ -10,24 +10,25 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import struct
 from jax import lax
 
 from vegas_jax.attention import AttnPlan, Capture, raw_capture
 from vegas_jax.auto import AutoController
+from vegas_jax.auto_bound import round_bounds
 from vegas_jax.auto_choice import AutoPolicy
 from vegas_jax.cache import KVCache
 from vegas_jax.config import ModelConfig
 from vegas_jax.driver import GenerationResult, Launch, Progress, launch, run_loop
 from vegas_jax.driver import exec_config as exec_config_of
 from vegas_jax.execution import ExecConfig, model_jit
-from vegas_jax.generate import DecodeState, decode_steps_body, generate
+from vegas_jax.generate import DecodeState, PlainRunner, decode_steps_body, generate
 from vegas_jax.methods import DEFAULT_METHOD, SCORES, Auto, Method, method_named
 from vegas_jax.model import forward
 from vegas_jax.params import Params
 from vegas_jax.quant import check_draft_weights, draft_params
 from vegas_jax.sampling import SamplingParams, accept, sample
+from vegas_jax.tally import Tally
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,54 +182,6 @@ def init_state(spec: SpecConfig, xc: ExecConfig, cache: KVCache, x0, key, scores
     return SpecState(cache=cache, x0=x0, key=key, sel=sel, progress=progress)
 
 
-class Tally:
-    """Acceptance statistics of the rounds read so far, per draft position and prompt."""
-
-    def __init__(self, gamma: int, n_prompts: int):
-        self.accepted_at = np.zeros(gamma, np.int64)  # sequence-rounds accepting draft i+1
-        self.rounds = self.emitted = self.calls = 0
-        self.seq_rounds = np.zeros(n_prompts, np.int64)
-        self.seq_emitted = np.zeros(n_prompts, np.int64)
-        self.by_call: list = []  # per call, per slot: drafts accepted (-1 inactive; None plain)
-
-    def add(self, n_acc, was_active, owner):
-        if n_acc is None:  # plain decoding steps
-            self.by_call.append(None)
-            return
-        self.by_call.append(np.where(was_active, n_acc, -1).tolist())
-        self.calls += 1
-        np.add.at(self.seq_rounds, owner, 1)
-        np.add.at(self.seq_emitted, owner, n_acc[was_active] + 1)
-        n_acc = n_acc[was_active]
-        self.rounds += len(n_acc)
-        self.emitted += int((n_acc + 1).sum())
-        self.accepted_at += (n_acc[:, None] > np.arange(len(self.accepted_at))[None, :]).sum(0)
-
-    def stats(self, auto: AutoController | None) -> dict:
-        rounds = max(self.rounds, 1)
-        if auto is not None:  # rounds of several gammas: the controller counted each position
-            acc = auto.acceptance
-            conditional = [float(h / t) if t else None  # None: never drafted
-                           for h, t in zip(acc.hits[1:], acc.trials[1:])]
-        else:
-            reached = np.concatenate([[self.rounds], self.accepted_at[:-1]])
-            conditional = (self.accepted_at / np.maximum(reached, 1)).tolist()
-        cumulative = (self.accepted_at / rounds).tolist()
-        return {
-            "rounds": self.calls,  # speculative rounds (auto also makes plain-step calls)
-            # tau = mean accepted drafts + 1 a round; cumulative[i] = P(drafts 1..i+1 all
-            # accepted); conditional[i] = P(draft i+1 accepted | drafts 1..i were)
-            "tau": self.emitted / rounds,
-            "acceptance_cumulative": cumulative,
-            "acceptance_conditional": conditional,
-            # per prompt, in prompt order (None: no round, the prefill's token ended it)
-            "tau_by_sequence": [float(e / r) if r else None
-                                for e, r in zip(self.seq_emitted, self.seq_rounds)],
-            "rounds_by_sequence": self.seq_rounds.tolist(),
-            "accepted_by_call": self.by_call,
-        }
-
-
 def _runner(model, xc: ExecConfig, spec: SpecConfig, sampling: SamplingParams,
             plain_steps_n: int = 0, draft: Params | None = None) -> Callable:
     """run(state) -> (state, outputs) for one device call: a round, or plain steps.
@@ -253,8 +206,7 @@ class SpecRunner:
         """draft: the params the drafts read (`quant.draft_params`; None: the model's)."""
         self.spec, self.xc, self.key, self.auto = spec, lc.xc, lc.key, auto
         self.name, self.capture = spec.name, prefill_capture(spec)
-        self.gamma = max(auto.gammas) if auto else spec.gamma
-        self.tally = Tally(self.gamma, len(lc.ids))
+        self.tally = Tally(len(lc.ids))
         if auto is None:
             self.step = _runner(model, lc.xc, spec, sampling, draft=draft)
             return
@@ -279,19 +231,55 @@ class SpecRunner:
         return init_state(*self._init_args(*parts))
 
     def count(self, out, ready_at, wait_s, collector, waiting):
-        _, _, n_acc, was_active = out
+        emitted, _, n_acc, was_active = out
         if self.auto is not None:  # tokens left matter while no prompt waits for a slot
             self.auto.read(n_acc, was_active, ready_at, wait_s,
                            None if waiting else collector.remaining())
-        self.tally.add(n_acc, was_active,
+        self.tally.add(emitted.shape[1] - 1, n_acc, was_active,
                        collector.owner[was_active] if n_acc is not None else None)
 
     def stats(self) -> dict:
-        out = {"gamma": self.gamma if self.auto is None else None,
-               "sparsity": self.spec.sparsity, **self.tally.stats(self.auto)}
-        if self.auto is not None:
-            out["auto"] = self.auto.stats()
-        return out
+        st = self.tally.stats()
+        if self.auto is None:
+            return {"gamma": self.spec.gamma, "sparsity": self.spec.sparsity, **st}
+        # auto: the gamma of most rounds (0: none ran); `by_gamma` and `auto` say the rest
+        ran = max(st["by_gamma"].items(), key=lambda kv: kv[1]["rounds"], default=(0, None))
+        return {"gamma": ran[0], "sparsity": self.spec.sparsity, **st,
+                "auto": self.auto.stats()}
+
+
+class AutoPlainRunner(PlainRunner):
+    """auto where no round can pay (`auto_bound`): vanilla's plain steps and programs
+    (no capture, no selection, no round compiled), each call through the controller,
+    which times and reports it."""
+
+    name = "auto"
+
+    def __init__(self, model, lc: Launch, spec: SpecConfig, sampling: SamplingParams,
+                 auto: AutoController):
+        super().__init__(model, lc.xc, sampling, lc.key, auto.policy.plain_steps)
+        self.auto, self.sparsity, self.tally = auto, spec.sparsity, Tally(len(lc.ids))
+        auto.decode_plainly(functools.partial(PlainRunner.step, self))
+
+    def step(self, state):
+        return self.auto.run(self.auto.choose(), state)
+
+    def count(self, out, ready_at, wait_s, collector, waiting):
+        self.auto.read(None, None, ready_at, wait_s, None if waiting else collector.remaining())
+        self.tally.add(0, None, None, None)
+
+    def stats(self) -> dict:
+        return {"gamma": 0, "sparsity": self.sparsity, **self.tally.stats(),
+                "auto": self.auto.stats()}
+
+
+def _allows_rounds(model, lc: Launch, auto: AutoController) -> bool:
+    """Whether a round of some candidate could beat plain steps by auto's `min_gain`,
+    from what each reads at the prompts' mean context while decoding (`auto_bound`)."""
+    contexts = [len(p) + lim / 2 for p, lim in zip(lc.ids, lc.limits)]
+    whole = not (lc.xc.pallas or lc.xc.exact)  # the XLA reference reads the whole cache
+    return auto.allow_rounds(round_bounds(model, auto.spec, auto.gammas, whole, lc.cache.batch,
+                                          contexts, lc.cache.max_len))
 
 
 def speculative_generate(
@@ -309,10 +297,11 @@ def speculative_generate(
     """Self-speculative decoding of prompts (conversations of {"role", "content"} messages,
     raw strings or token ids: `vegas_jax.prompts.encode_prompts`); output has the vanilla
     distribution (greedy: the same tokens). `spec.method="vanilla"` runs plain decoding;
-    "auto" chooses gamma or plain decoding as it goes (`auto_policy`: its settings).
-    `max_batch`: at most this many sequences at once; each finished one's slot is refilled
-    with the next prompt's prefill (results stay in prompt order). `max_new_tokens`: one
-    limit, or one per prompt. `exec_config`: how to run (default: the model's)."""
+    "auto" decodes plainly where no round can pay, else chooses gamma or plain steps as it
+    goes (`auto_policy`: its settings). `max_batch`: at most this many sequences at once;
+    each finished one's slot is refilled with the next prompt's prefill (results stay in
+    prompt order). `max_new_tokens`: one limit, or one per prompt. `exec_config`: how to
+    run (default: the model's)."""
     if not isinstance(spec, SpecConfig):
         raise TypeError("spec must be a SpecConfig")
     if not spec.method.speculative:
@@ -330,4 +319,6 @@ def speculative_generate(
     extra = 2 * gamma + 2 + spec.method.extra_len()
     lc = launch(model, prompts, max_new_tokens, sampling, extra, exec_config, max_batch, seed,
                 on_tokens)
+    if auto is not None and not _allows_rounds(model, lc, auto):
+        return run_loop(model, lc, sampling, AutoPlainRunner(model, lc, spec, sampling, auto))
     return run_loop(model, lc, sampling, SpecRunner(model, lc, spec, sampling, auto, draft))
