@@ -115,7 +115,8 @@ def select_from_capture(cbuf, offset, end, want, kmax, s, old=None, decay=0.0, *
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
-        # 16 warps for rows of 8K+ positions: the fastest measured
+        # one program a (layer, sequence) row: a row of 8K+ positions spreads each count
+        # pass over 16 warps' threads
         compiler_params=pltr.CompilerParams(num_warps=16 if chunk >= 8192 else 4,
                                             num_stages=1),
         interpret=interpret,

@@ -36,8 +36,9 @@ from pallas_kernels.quant_matmul import (FORMATS, UNPACKS, dequantize, group_siz
 @dataclasses.dataclass(frozen=True)
 class MlpTile:
     """Rows, hidden and output columns of a program's block; Triton's warps and stages
-    (the hidden walk is a pipelined `fori_loop`). The defaults: the fastest tile measured
-    (each program multiplies two column tiles, gate and up)."""
+    (the hidden walk is a pipelined `fori_loop`). The defaults: the fastest tile at
+    SmolLM2's draft gate/up (RESULTS.md "Levers measured and not kept", draft GEMMs in
+    Pallas); each program multiplies two column tiles, gate and up."""
 
     block_m: int = 64
     block_k: int = 64
@@ -49,11 +50,12 @@ class MlpTile:
     unpack: str | None = None
 
 
-# The kernel pays where a layer's gate/up weights are small: there the three kernels'
-# fixed costs outweigh their bytes, while on large weights it reads slower than cuBLAS.
+# The kernel pays where a layer's gate/up weights are small (SmolLM2's: RESULTS.md "Levers
+# measured and not kept"): there the three kernels' fixed costs outweigh their bytes; on
+# large weights the bytes dominate, and cuBLAS's GEMM is the one tuned to read them.
 SMALL_BYTES = 4 << 20
 # ... and where the draft has many rows: with fewer, its row tile shrinks and XLA's three
-# kernels are faster.
+# kernels win (RESULTS.md "Levers measured and not kept": the draft MLP kernel below 64 rows).
 MIN_ROWS = 64
 
 

@@ -38,7 +38,8 @@ BLOCK_M, BLOCK_N, BLOCK_K, STEPS = 64, 128, 64, 4
 class GmmTile:
     """`grouped_matmul`'s tile: rows, columns and k of a block, Triton's warps and
     stages, and whether k is walked in a pipelined `fori_loop` (else unrolled). The
-    defaults: the fastest tile measured in the model's decode step."""
+    defaults: the fastest of `benchmarks/tune_grouped_matmul.py`'s tiles, confirmed in the
+    model's decode step (RESULTS.md "MoE shapes", the pipelined expert tile)."""
 
     block_m: int = 16
     block_n: int = 64

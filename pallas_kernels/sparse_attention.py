@@ -120,7 +120,9 @@ class StepBlocks:
     a pair walks its whole list and tail and normalises in the kernel (`whole` tiles, no
     combine pass); below it the entries are split across programs (`split` tiles), their
     chunks combined by one Pallas kernel from `combine_from` pairs on, else by XLA. The
-    `_wide` tiles serve head dims above 64. Each default is the fastest of those measured."""
+    `_wide` tiles serve head dims above 64. Each default is the fastest that
+    `benchmarks/tune_sparse_step.py` found (RESULTS.md "Kernels (latest rooflines)", draft
+    attention; variants dropped: "Levers measured and not kept")."""
 
     split: SparseBlocks = SparseBlocks()
     whole: SparseBlocks = SparseBlocks(block_k=64, num_warps=2, num_stages=3)
@@ -510,8 +512,8 @@ def _step_kernel(layer_ref, il, qkv_ref, *refs, cfg: _StepConfig, plan: _ChunkPl
         ko_ref[layer, bi, h, pl.ds(qpos, 1), up] = k[1]
         vo_ref[layer, bi, h, pl.ds(qpos, 1), :] = v  # [1, d]
 
-    # keys gathered as two half rows, each dotted with its RoPE half of the query (a
-    # whole-row load with the halves side by side was no faster)
+    # keys gathered as two half rows, each dotted with its RoPE half of the query (whole-row
+    # key loads: RESULTS.md "Levers measured and not kept")
     pr = _Program(k_ref, v_ref, idx_ref, cnt_ref, ts_ref, layer, il, bi, h, hi, j, qpos, live)
     attn = _chunk_attention(((q[0], lo), (q[1], up)), pr, plan, skip_qpos=True,
                             one_program=cfg.normalize)

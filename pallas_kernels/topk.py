@@ -234,7 +234,8 @@ def select_topk_fast(scores, k, *, counts=None, radix_bits=2, threshold="xla",
     in its first counts[r] slots; the slots after them hold position 0 (a valid sentinel
     for a reader that stops at the count).
     One call serves all layers and sequences at once: scores [L, b, s] -> [L, b, k].
-    radix_bits: bits a count pass settles (2, 16 passes of 3 thresholds: the fastest).
+    radix_bits: bits a count pass settles (2: 16 passes of 3 thresholds each; more bits
+    trade passes for 2**radix_bits - 1 thresholds a pass).
     threshold: "xla" (count passes and compaction in XLA) or "fused" (threshold and
     compaction in one Pallas kernel, `select_topk_pallas`, for rows of at most
     PALLAS_MAX_KEYS; longer rows take the XLA path)."""

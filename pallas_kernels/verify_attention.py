@@ -113,7 +113,8 @@ _LN2 = 0.6931471805599453
 @dataclasses.dataclass(frozen=True)
 class VerifyBlocks:
     """Launch knobs; None picks per shape in `verify_attention`. The defaults are the
-    fastest of the plans measured.
+    fastest plans `benchmarks/tune_verify.py` and `benchmarks/kernels.py` found (64-key
+    blocks at Qwen3-8B's 128K: RESULTS.md "Kernels (latest rooflines)").
 
     block_k: keys per loop step (None: 128 for verify / decode, 64 for prefill and for
     wide heads over fewer than 128 (sequence, KV head) pairs); num_warps (None: 4 up to
@@ -451,7 +452,8 @@ def capture_scores_reference(cbuf, lse, rowpos, w, s, rowlo=None):
 class CaptureBlocks:
     """`capture_scores`' launch: block_s key columns a program (cut so that its
     [rows, block_s] fp32 tile stays within `tile` elements, which bounds its shared
-    memory), num_warps. The fastest of the plans measured."""
+    memory), num_warps. Defaults: 256 columns, fewer above 64 rows (16384 fp32 elements:
+    64 KiB a tile)."""
 
     block_s: int = 256
     tile: int = 16384
@@ -576,7 +578,8 @@ def _launch(q_shape, k_cache, blocks: VerifyBlocks) -> _Launch:
     rows, tq, nqb, n_splits, split_len = _plan(
         b, kh, t, g, s, max_rows=blocks.max_rows, row_block=blocks.row_block,
         target_programs=blocks.target_programs, block_k=bk, min_split=blocks.min_split,
-        # wave filling pays where two or more programs share an SM; at one it was slower
+        # wave filling pays where two or more programs share an SM; at one it is slower
+        # (`benchmarks/tune_verify.py --head-dim 128`, its "no waves" plan)
         resident=sm_count() * per_sm if blocks.waves and decode_like and per_sm > 1 else None,
         split_keys=blocks.split_keys)
     resolved = dataclasses.replace(

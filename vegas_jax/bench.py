@@ -430,12 +430,8 @@ def _compile_auto(model, prompts, args, spec, sampling, policy: AutoPolicy):
                          auto_policy=dataclasses.replace(policy, background=False))
 
 
-def run(args, model=None, auto_policy: AutoPolicy = AutoPolicy()) -> list[dict]:
-    """The rows of the table. `model`, `auto_policy` (tests): the model, auto's settings."""
-    from tqdm import tqdm
-
-    from vegas_jax.speculative import speculative_generate
-
+def _methods_and_weights(args) -> tuple[list[str], list[str]]:
+    """The --methods and --draft-weights asked for, each checked (before the model loads)."""
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     for m in methods:
         if m not in METHODS:
@@ -445,6 +441,89 @@ def run(args, model=None, auto_policy: AutoPolicy = AutoPolicy()) -> list[dict]:
     weights = [w.strip() for w in args.draft_weights.split(",") if w.strip()]
     for w in weights:
         check_draft_weights(w)
+    return methods, weights
+
+
+def _runs(args, methods, weights) -> list[tuple[str, int, float, str]]:
+    """(method, gamma, sparsity, draft weights) of every run: each speculative method at
+    each gamma, sparsity and draft weights; vanilla and auto once."""
+    gammas = [int(g) for g in args.gammas.split(",")] if args.gammas else [args.gamma]
+    sparsities = ([float(s) for s in args.sparsities.split(",")] if args.sparsities
+                  else [args.sparsity])
+    if not all(0 < s <= 1 for s in sparsities):  # before any run, not after vanilla's
+        raise ValueError(f"--sparsities: each sparsity must be in (0, 1], got {sparsities}")
+    return [(m, g, s, w) for m in methods
+            for g in (gammas if m not in ("vanilla", "auto") else [args.gamma])
+            for s in (sparsities if m not in ("vanilla", "auto") else [args.sparsity])
+            for w in (weights if m != "vanilla" else ["same"])]
+
+
+def _first_differences(tokens, ref_tokens) -> list[int | None]:
+    """Where each sequence first parts from the reference's (None: equal throughout)."""
+    return [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b),
+                 None if len(x) == len(y) else min(len(x), len(y)))
+            for x, y in zip(tokens, ref_tokens)]
+
+
+def _decode_into(row, model, prompts, args, spec, sampling, auto_policy, ref_tokens):
+    """Generate under `row`'s method and add its stats to `row` (with the sequences equal
+    to `ref_tokens`, vanilla's, under greedy sampling). Returns the generation's result."""
+    from vegas_jax.speculative import speculative_generate
+
+    m = row["method"]
+    if m == "auto":
+        _compile_auto(model, prompts, args, spec, sampling, auto_policy)
+    res = speculative_generate(model, prompts, args.new_tokens,
+                               dataclasses.replace(spec, method=m), sampling,
+                               seed=args.seed, auto_policy=auto_policy)
+    st = res.stats
+    row.update(tok_s=st["decode_tokens_per_s"], tau=st["tau"],
+               acceptance=st["acceptance_cumulative"], rounds=st["rounds"],
+               prefill_s=st["prefill_s"], backend=st["backend"],
+               ms_per_call=st["ms_per_call"], host_ms_per_call=st["host_ms_per_call"],
+               wait_ms_per_call=st["wait_ms_per_call"],
+               dispatch_ms_per_call=st["dispatch_ms_per_call"],
+               call_ms=st["call_ms"], active_by_call=st["active_by_call"],
+               rounds_by_sequence=st.get("rounds_by_sequence"),
+               tokens_by_call=st["tokens_by_call"],
+               accepted_by_call=st.get("accepted_by_call"))
+    row["full_batch_tok_s"] = full_batch_tok_s(row, args.batch)
+    if "auto" in st:
+        row["auto"] = st["auto"]
+    if m != "vanilla" and sampling.greedy and ref_tokens is not None:  # lossless: same tokens
+        first = _first_differences(res.tokens, ref_tokens)
+        row["equal_sequences"] = sum(f is None for f in first)
+        row["first_difference"] = first
+    return res
+
+
+def _profile_into(row, model, ids_or_cache, args, spec, sampling, profile_only: bool):
+    """Add the round's phase times to `row` (and with --project-tau, projected tokens/s).
+    Returns the cache `profile_round` hands back (the donated one, for --profile-only)."""
+    times, cache_after = profile_round(model, ids_or_cache, spec, sampling, args.profile_reps)
+    row.update(times)
+    if "ms_per_call" in row:
+        row["e2e_over_jitted"] = row["ms_per_call"] / row["round_ms"]
+    if profile_only and args.project_tau:
+        row["projected_tok_s"] = args.batch * args.project_tau / row["round_ms"] * 1e3
+        row["projected_vanilla_tok_s"] = args.batch / row["vanilla_step_ms"] * 1e3
+    return cache_after
+
+
+def _hf_rows(args, model, prompts, sampling) -> list[dict]:
+    """--hf-reference's rows: transformers with a static cache, and at batch 1 under greedy
+    sampling, with prompt-lookup decoding too."""
+    rows = [hf_reference(model, prompts, args.new_tokens, sampling)]
+    if args.batch == 1 and sampling.greedy:
+        rows.append(hf_reference(model, prompts, args.new_tokens, sampling, True))
+    return rows
+
+
+def run(args, model=None, auto_policy: AutoPolicy = AutoPolicy()) -> list[dict]:
+    """The rows of the table. `model`, `auto_policy` (tests): the model, auto's settings."""
+    from tqdm import tqdm
+
+    methods, weights = _methods_and_weights(args)
     sampling = sampling_from_args(args)
     dt = dtype_from_arg(args.dtype)
     if model is None:
@@ -460,17 +539,9 @@ def run(args, model=None, auto_policy: AutoPolicy = AutoPolicy()) -> list[dict]:
         spec = SpecConfig(method="vegas" if methods == list(ALL_METHODS) else methods[-1],
                           gamma=args.gamma, sparsity=args.sparsity, min_tokens=args.min_tokens)
         return check_impls(model, prompts, args.new_tokens, spec)
-    gammas = [int(g) for g in args.gammas.split(",")] if args.gammas else [args.gamma]
-    sparsities = ([float(s) for s in args.sparsities.split(",")] if args.sparsities
-                  else [args.sparsity])
-    if not all(0 < s <= 1 for s in sparsities):  # before any run, not after vanilla's
-        raise ValueError(f"--sparsities: each sparsity must be in (0, 1], got {sparsities}")
-    runs = [(m, g, s, w) for m in methods
-            for g in (gammas if m not in ("vanilla", "auto") else [args.gamma])
-            for s in (sparsities if m not in ("vanilla", "auto") else [args.sparsity])
-            for w in (weights if m != "vanilla" else ["same"])]
     ref_tokens = None
-    for m, g, s, w in tqdm(runs, desc="methods", file=sys.stderr, disable=args.json):
+    for m, g, s, w in tqdm(_runs(args, methods, weights), desc="methods", file=sys.stderr,
+                           disable=args.json):
         gc.collect()  # the previous run's cache and state (some in reference cycles) go now
         spec = SpecConfig(method=m if m != "vanilla" else "vegas", gamma=g,
                           sparsity=s, min_tokens=args.min_tokens, score=args.score,
@@ -479,50 +550,19 @@ def run(args, model=None, auto_policy: AutoPolicy = AutoPolicy()) -> list[dict]:
         if m != "vanilla":
             row.update(sparsity=s, draft_weights=w)
         if not profile_only:
-            if m == "auto":
-                _compile_auto(model, prompts, args, spec, sampling, auto_policy)
-            res = speculative_generate(model, prompts, args.new_tokens,
-                                       dataclasses.replace(spec, method=m), sampling,
-                                       seed=args.seed, auto_policy=auto_policy)
-            st = res.stats
-            row.update(tok_s=st["decode_tokens_per_s"], tau=st["tau"],
-                       acceptance=st["acceptance_cumulative"], rounds=st["rounds"],
-                       prefill_s=st["prefill_s"], backend=st["backend"],
-                       ms_per_call=st["ms_per_call"], host_ms_per_call=st["host_ms_per_call"],
-                       wait_ms_per_call=st["wait_ms_per_call"],
-                       dispatch_ms_per_call=st["dispatch_ms_per_call"],
-                       call_ms=st["call_ms"], active_by_call=st["active_by_call"],
-                       rounds_by_sequence=st.get("rounds_by_sequence"),
-                       tokens_by_call=st["tokens_by_call"],
-                       accepted_by_call=st.get("accepted_by_call"))
-            row["full_batch_tok_s"] = full_batch_tok_s(row, args.batch)
-            if "auto" in st:
-                row["auto"] = st["auto"]
+            res = _decode_into(row, model, prompts, args, spec, sampling, auto_policy,
+                               ref_tokens)
             if m == "vanilla":
-                base, ref_tokens = st["decode_tokens_per_s"], res.tokens
-            elif sampling.greedy and ref_tokens is not None:  # lossless: same tokens
-                first = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b),
-                              None if len(x) == len(y) else min(len(x), len(y)))
-                         for x, y in zip(res.tokens, ref_tokens)]
-                row["equal_sequences"] = sum(f is None for f in first)
-                row["first_difference"] = first
+                base, ref_tokens = res.stats["decode_tokens_per_s"], res.tokens
         profiled = args.profile_methods is None or m in args.profile_methods.split(",")
         if m not in ("vanilla", "auto") and args.profile_reps > 0 and profiled:
-            times, cache_after = profile_round(model, cache if profile_only else prompts, spec,
-                                               sampling, args.profile_reps)
-            row.update(times)
-            if "ms_per_call" in row:
-                row["e2e_over_jitted"] = row["ms_per_call"] / row["round_ms"]
+            cache_after = _profile_into(row, model, cache if profile_only else prompts, args,
+                                        spec, sampling, profile_only)
             if profile_only:
                 cache = cache_after
-            if profile_only and args.project_tau:
-                row["projected_tok_s"] = args.batch * args.project_tau / row["round_ms"] * 1e3
-                row["projected_vanilla_tok_s"] = args.batch / row["vanilla_step_ms"] * 1e3
         rows.append(row)
     if args.hf_reference and not profile_only:
-        rows.append(hf_reference(model, prompts, args.new_tokens, sampling))
-        if args.batch == 1 and sampling.greedy:
-            rows.append(hf_reference(model, prompts, args.new_tokens, sampling, True))
+        rows += _hf_rows(args, model, prompts, sampling)
     for r in rows:
         if base and "tok_s" in r:
             r["speedup"] = r["tok_s"] / base

@@ -131,8 +131,9 @@ def _layer(cfg: ModelConfig, xc: ExecConfig, inp: LayerInputs, carry: Carry, lp:
 
     Jitted on its own, with the layer index `li` traced: every layer of a forward is then
     traced and lowered once, whether the layers run in a loop or unrolled (per-layer
-    weight buffers: on the GPU the host walks no loop body per layer, but 30 layers traced
-    and lowered one by one took ~10 s a round on the CPU). XLA inlines the calls."""
+    weight buffers: on the GPU the host walks no loop body per layer, but tracing and
+    lowering each of 30 layers apart made a round's compile slow on the CPU). XLA inlines
+    the calls."""
     x = carry.x  # [b, t, h]
     fused = inp.write and fused_draft(inp.plan, xc, cfg)
     # a fused draft with the norm's weight folded into w_qkv applies the norm's row scale in

@@ -40,8 +40,8 @@ class SamplingParams:
 
 jax.tree_util.register_static(SamplingParams)
 
-# Top-p without top-k ranks this many logits first (a TopK kernel instead of a sort of
-# the whole vocabulary, which is far slower).
+# Top-p without top-k ranks this many logits first (a TopK kernel, then a sort of these
+# few instead of the whole vocabulary's).
 TOP_P_CANDIDATES = 1024
 TOPK_BLOCK = 128
 

@@ -417,6 +417,12 @@ def _special_property(name: str, as_id: bool):
     return property(get, doc=f"As `PreTrainedTokenizerFast.{name}`.")
 
 
+def _special_properties(special: str) -> tuple[property, property]:
+    """`{special}_token` and `{special}_token_id`, as PreTrainedTokenizerFast has them."""
+    return (_special_property(f"{special}_token", False),
+            _special_property(f"{special}_token_id", True))
+
+
 class GGUFTokenizer:
     """A GGUF's tokenizer that stands for `build_hf_tokenizer(meta)` (a
     `transformers.PreTrainedTokenizerFast`) without importing transformers for what the engine
@@ -445,6 +451,15 @@ class GGUFTokenizer:
         missing = [t for t in dict.fromkeys(d["_special"].values()) if t and t not in added]
         if missing:
             backend.add_tokens([AddedToken(t, special=True) for t in missing])
+
+    # one per _SPECIAL_NAMES entry
+    bos_token, bos_token_id = _special_properties("bos")
+    eos_token, eos_token_id = _special_properties("eos")
+    unk_token, unk_token_id = _special_properties("unk")
+    sep_token, sep_token_id = _special_properties("sep")
+    pad_token, pad_token_id = _special_properties("pad")
+    cls_token, cls_token_id = _special_properties("cls")
+    mask_token, mask_token_id = _special_properties("mask")
 
     # -- the PreTrainedTokenizerFast, on demand -----------------------------------------------
     @property
@@ -571,12 +586,6 @@ class GGUFTokenizer:
         if not tokenize:
             return text
         return self._backend.encode(text, add_special_tokens=False).ids
-
-
-for _s in _SPECIAL_NAMES:
-    setattr(GGUFTokenizer, f"{_s}_token", _special_property(f"{_s}_token", False))
-    setattr(GGUFTokenizer, f"{_s}_token_id", _special_property(f"{_s}_token_id", True))
-del _s
 
 
 def tokenizer_from_gguf(reader):
