@@ -23,7 +23,7 @@ from tests.compiled import call
 from conftest import SPEC_EOS, SPEC_NEW
 from tests.tiny import tiny_model
 from vegas_jax import attention as attn_mod
-from vegas_jax import auto_build
+from vegas_jax import auto_build, decode
 from vegas_jax import methods as meth
 from vegas_jax.attention import CAUSAL, AttnPlan
 from vegas_jax.auto import AutoController
@@ -317,6 +317,10 @@ def test_auto_switching_formats_stays_lossless(setup, monkeypatch):
         tokens = sum(r["tau"] * r["sequence_rounds"] for r in runs)
         assert tokens / sum(r["sequence_rounds"] for r in runs) == pytest.approx(pooled["tau"])
     assert st["rounds"] + st["plain_calls"] == st["device_calls"]
+    # the command line's lines name each (gamma, format) that ran
+    lines = decode._auto_lines(SpecConfig(method=AUTO_FORMATS, gamma=1), st, "")
+    assert f"gamma 3 int4 x{by['gamma 3 int4']['rounds']} tau " in lines[0]
+    assert lines[2] == "auto: draft weights same, int8, int4"
 
 
 def test_sampled_auto_round_in_a_format_is_that_formats_round():
