@@ -34,6 +34,7 @@ from vegas_jax.execution import ExecConfig
 from vegas_jax.generate import generate
 from vegas_jax.methods import Auto, Quest, Stream, Vanilla, VerifyGuided
 from vegas_jax.model import forward
+from vegas_jax.quant import DRAFT_WEIGHTS
 from vegas_jax.sampling import SamplingParams
 from vegas_jax.speculative import SpecConfig, speculative_generate
 
@@ -47,6 +48,8 @@ AUTO_GAMMA = 1  # auto's candidates: gammas 1 and 3 (and plain steps)
 # auto speculating wherever a round could tie plain steps: on these tiny models and short
 # contexts no round can beat them (`auto_bound`), and auto's default decodes plainly
 ROUNDS = AutoPolicy(min_gain=1.0)
+FORMATS = ("same", "int8", "int4")
+QUANTIZED = set(DRAFT_WEIGHTS) - {"same"}  # every quantized format (`quant.DRAFT_WEIGHTS`)
 
 
 def test_method_lists_are_the_products():
@@ -163,7 +166,7 @@ def test_auto_equals_vanilla_and_reports_its_choices(setup, run):
     assert auto["calls"]["gamma 1"] >= 1
     assert set(auto["tokens_per_s_per_seq"]) <= {"vanilla", "gamma 1", "gamma 3"}
     # the XLA path: the model's own weights only, unless quantized formats are named
-    assert auto["formats"] == ["same"] and set(auto["formats_dropped"]) == {"int8", "int4"}
+    assert auto["formats"] == ["same"] and set(auto["formats_dropped"]) == QUANTIZED
     assert all("XLA path" in why for why in auto["formats_dropped"].values())
     assert auto["by_config"]["gamma 1"]["tau"] == pytest.approx(res.stats["tau"])
     # 24 tokens at gamma 1 (tau <= 2): fewer calls left at the first read than exploring
@@ -284,7 +287,6 @@ def test_auto_switching_gammas_and_plain_steps_stays_lossless(setup, run, monkey
     assert st["gamma"] in (1, 3)
 
 
-FORMATS = ("same", "int8", "int4")
 AUTO_FORMATS = Auto(gammas=(1, 3), formats=FORMATS)  # named: quantized drafts on XLA too
 
 
@@ -377,9 +379,9 @@ def test_auto_formats_default_to_those_the_model_and_path_can_draft_with():
     dense = SimpleNamespace(config=get_config("smollm2-135m"))
     moe = SimpleNamespace(config=get_config("qwen3-30b-a3b"))
     auto = SpecConfig(method="auto")
-    assert candidate_formats(auto, dense, PALLAS)[0].method.formats == FORMATS
+    assert candidate_formats(auto, dense, PALLAS)[0].method.formats == DRAFT_WEIGHTS
     spec, dropped = candidate_formats(auto, dense, XLA)
-    assert spec.method.formats == ("same",) and set(dropped) == {"int8", "int4"}
+    assert spec.method.formats == ("same",) and set(dropped) == QUANTIZED
     spec, dropped = candidate_formats(auto, moe, PALLAS)
     assert spec.method.formats == ("same",) and "mixture of experts" in dropped["int4"]
     start_int4 = dataclasses.replace(auto, draft_weights="int4")
