@@ -189,6 +189,22 @@ def test_streams_a_file_prompt_and_prints_stats(ckpt, tmp_path, capsys):
     assert out.endswith("\n")
 
 
+def test_auto_prints_what_it_ran(ckpt, capsys):
+    """auto on the CPU (the XLA path: the model's own draft weights alone) where no round
+    can pay: its line says it decoded plainly and why; --json has its stats."""
+    args = ("--checkpoint", ckpt, "--prompt", "the cat sat on a mat", "--max-new-tokens", "6",
+            "--method", "auto", "--gamma", "2")
+    rc, out, err = main(capsys, *args)
+    assert rc == 0, err
+    assert "method=auto decoded plainly" in err and "no round compiled" in err
+    rc, out, err = main(capsys, *args, "--json")
+    auto = json.loads(out)["stats"]["auto"]
+    from vegas_jax.quant import DRAFT_WEIGHTS
+
+    assert auto["formats"] == [] and set(auto["formats_dropped"]) == set(DRAFT_WEIGHTS)
+    assert not auto["rounds_allowed"] and auto["start"] == "vanilla"
+
+
 @pytest.mark.slow
 def test_json_run_on_the_default_model():
     r = run("--prompt", "Name three colours.", "--max-new-tokens", "12", "--json",

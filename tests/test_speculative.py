@@ -7,6 +7,7 @@ Most of the time here is XLA compiling: the greedy tests share one model, one ba
 prompts (one prompt bucket: one prefill program per capture) and one length, and each
 (method, score, backend) runs once (`run`)."""
 
+import dataclasses
 import itertools
 import threading
 
@@ -22,7 +23,7 @@ from tests.compiled import call
 from conftest import SPEC_EOS, SPEC_NEW
 from tests.tiny import tiny_model
 from vegas_jax import attention as attn_mod
-from vegas_jax import auto_build
+from vegas_jax import auto_build, decode
 from vegas_jax import methods as meth
 from vegas_jax.attention import CAUSAL, AttnPlan
 from vegas_jax.auto import AutoController
@@ -33,6 +34,7 @@ from vegas_jax.execution import ExecConfig
 from vegas_jax.generate import generate
 from vegas_jax.methods import Auto, Quest, Stream, Vanilla, VerifyGuided
 from vegas_jax.model import forward
+from vegas_jax.quant import DRAFT_WEIGHTS
 from vegas_jax.sampling import SamplingParams
 from vegas_jax.speculative import SpecConfig, speculative_generate
 
@@ -46,6 +48,8 @@ AUTO_GAMMA = 1  # auto's candidates: gammas 1 and 3 (and plain steps)
 # auto speculating wherever a round could tie plain steps: on these tiny models and short
 # contexts no round can beat them (`auto_bound`), and auto's default decodes plainly
 ROUNDS = AutoPolicy(min_gain=1.0)
+FORMATS = ("same", "int8", "int4")
+QUANTIZED = set(DRAFT_WEIGHTS) - {"same"}  # every quantized format (`quant.DRAFT_WEIGHTS`)
 
 
 def test_method_lists_are_the_products():
@@ -161,6 +165,10 @@ def test_auto_equals_vanilla_and_reports_its_choices(setup, run):
     auto = res.stats["auto"]
     assert auto["calls"]["gamma 1"] >= 1
     assert set(auto["tokens_per_s_per_seq"]) <= {"vanilla", "gamma 1", "gamma 3"}
+    # the XLA path: the model's own weights only, unless quantized formats are named
+    assert auto["formats"] == ["same"] and set(auto["formats_dropped"]) == QUANTIZED
+    assert all("XLA path" in why for why in auto["formats_dropped"].values())
+    assert auto["by_config"]["gamma 1"]["tau"] == pytest.approx(res.stats["tau"])
     # 24 tokens at gamma 1 (tau <= 2): fewer calls left at the first read than exploring
     # the other candidates takes; they are not built, every call is the configured gamma
     assert auto["build"] == "skipped" and auto["compile_s"] is None
@@ -277,6 +285,111 @@ def test_auto_switching_gammas_and_plain_steps_stays_lossless(setup, run, monkey
     assert sum(r["rounds"] for r in st["by_gamma"].values()) == st["rounds"]
     assert st["rounds"] + st["plain_calls"] == st["device_calls"] == len(st["accepted_by_call"])
     assert st["gamma"] in (1, 3)
+
+
+AUTO_FORMATS = Auto(gammas=(1, 3), formats=FORMATS)  # named: quantized drafts on XLA too
+
+
+def test_auto_switching_formats_stays_lossless(setup, monkeypatch):
+    """Every (gamma, draft format) in turn, plain steps among them: vanilla's tokens
+    (greedy, fp32, the ragged batch whose prompt 1 ends mid-round), and stats that add up:
+    the rounds of each configuration are the rounds read, and per gamma they pool to
+    the tally's tau."""
+    from vegas_jax import quant
+
+    model, prompts, vanilla = setup
+    order = itertools.cycle([Config(3, "int4"), Config(1), Config(0), Config(1, "int8"),
+                             Config(3), Config(1, "int4"), Config(0), Config(3, "int8")])
+    monkeypatch.setattr(AutoController, "choose", lambda self: next(order))
+    made, real = [], quant.quantize_params
+    monkeypatch.setattr(quant, "quantize_params", lambda p, f: made.append(f) or real(p, f))
+    res = speculative_generate(model, prompts, NEW, SpecConfig(method=AUTO_FORMATS, gamma=1,
+                                                               min_tokens=8), exec_config=XLA,
+                               auto_policy=ROUNDS)
+    assert res.tokens == vanilla.tokens
+    assert made == ["int4", "int8"]  # each copy made once, by its first round
+    st, auto = res.stats, res.stats["auto"]
+    assert auto["formats"] == list(FORMATS) and auto["formats_dropped"] == {}
+    by = auto["by_config"]
+    assert {c for c in by if c.endswith("int4")} and {c for c in by if c.endswith("int8")}
+    assert sum(r["rounds"] for r in by.values()) == st["rounds"]
+    assert sum(r["sequence_rounds"] for r in by.values()) == sum(st["rounds_by_sequence"])
+    for g, pooled in st["by_gamma"].items():
+        runs = [r for c, r in by.items() if c.split()[1] == str(g)]
+        tokens = sum(r["tau"] * r["sequence_rounds"] for r in runs)
+        assert tokens / sum(r["sequence_rounds"] for r in runs) == pytest.approx(pooled["tau"])
+    assert st["rounds"] + st["plain_calls"] == st["device_calls"]
+    # the command line's lines name each (gamma, format) that ran
+    lines = decode._auto_lines(SpecConfig(method=AUTO_FORMATS, gamma=1), st, "")
+    assert f"gamma 3 int4 x{by['gamma 3 int4']['rounds']} tau " in lines[0]
+    assert lines[2] == "auto: draft weights same, int8, int4"
+
+
+def test_sampled_auto_round_in_a_format_is_that_formats_round():
+    """Sampled: auto's round of gamma 1 in int4 (its only candidate; too few tokens to
+    build plain steps) draws exactly what vegas's round with int4 drafts draws, seed for
+    seed: the lossless round whose law test_quant_drafts checks, whatever its format."""
+    m = tiny_model(vocab=100, scale=0.5, seed=3)
+    prompts = [list(range(1, 41)), list(range(7, 30))]
+    sp = SamplingParams(1.0, top_k=5)
+    out = {}
+    for method in (Auto(gammas=(1,), formats=("int4",)), "vegas"):
+        spec = SpecConfig(method=method, gamma=1, min_tokens=8, draft_weights="int4")
+        res = speculative_generate(m, prompts, 12, spec, sp, seed=5, exec_config=XLA,
+                                   auto_policy=ROUNDS)
+        out[spec.name] = res.tokens
+        if spec.name == "auto":
+            assert set(res.stats["auto"]["calls"]) == {"gamma 1 int4"}
+    assert out["auto"] == out["vegas"]
+
+
+def test_auto_drops_a_format_whose_copy_does_not_fit(setup, monkeypatch):
+    """Memory for the int4 copy beside the cache, not for int8's too: int8 is left out
+    (the start's format first, then the highest bound: int4), with the reason. Neither
+    copy is made: too few tokens to build their rounds."""
+    from vegas_jax import auto_formats, quant
+
+    model, prompts, vanilla = setup
+    need = {f: quant.quantized_bytes(model.params, f) for f in ("int8", "int4")}
+    assert need["int4"] < need["int8"]
+    made, real = [], quant.quantize_params
+    monkeypatch.setattr(quant, "quantize_params", lambda p, f: made.append(f) or real(p, f))
+    monkeypatch.setattr(auto_formats, "check_memory", lambda *a: 0)  # the cache: nothing
+    monkeypatch.setattr(auto_formats, "available_bytes",
+                        lambda: (need["int4"] + need["int8"] / 2) / 0.9)
+    res = speculative_generate(model, prompts, NEW, SpecConfig(method=AUTO_FORMATS, gamma=1,
+                                                               min_tokens=8), exec_config=XLA,
+                               auto_policy=ROUNDS)
+    assert res.tokens == vanilla.tokens
+    auto = res.stats["auto"]
+    assert auto["formats"] == ["same", "int4"] and list(auto["formats_dropped"]) == ["int8"]
+    assert auto["formats_dropped"]["int8"].startswith("its copy")
+    assert auto["build"] == "skipped" and made == []
+
+
+def test_auto_formats_default_to_those_the_model_and_path_can_draft_with():
+    """Unnamed: every format through the Pallas kernels, the model's own alone on the XLA
+    path or for a mixture of experts (each left out with why); a format named, or the
+    start, that the model cannot draft with fails in one line."""
+    from types import SimpleNamespace
+
+    from vegas_jax.config import get_config
+    from vegas_jax.auto_formats import candidate_formats
+
+    dense = SimpleNamespace(config=get_config("smollm2-135m"))
+    moe = SimpleNamespace(config=get_config("qwen3-30b-a3b"))
+    auto = SpecConfig(method="auto")
+    assert candidate_formats(auto, dense, PALLAS)[0].method.formats == DRAFT_WEIGHTS
+    spec, dropped = candidate_formats(auto, dense, XLA)
+    assert spec.method.formats == ("same",) and set(dropped) == QUANTIZED
+    spec, dropped = candidate_formats(auto, moe, PALLAS)
+    assert spec.method.formats == ("same",) and "mixture of experts" in dropped["int4"]
+    start_int4 = dataclasses.replace(auto, draft_weights="int4")
+    assert candidate_formats(start_int4, dense, XLA)[0].method.formats == ("same", "int4")
+    for spec in (start_int4, SpecConfig(method=Auto(formats=("int8",)))):
+        with pytest.raises(ValueError, match="mixture of experts") as e:
+            candidate_formats(spec, moe, PALLAS)
+        assert "\n" not in str(e.value)
 
 
 def test_auto_decodes_plainly_where_no_round_can_pay(setup):

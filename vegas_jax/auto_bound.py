@@ -10,7 +10,10 @@ drafts for itself) and only its selection of the cache. Compute cannot lift the 
 where flops set a step's time, the verify, which computes gamma + 1 tokens as a step
 computes one, costs gamma + 1 steps. So a round's speedup over plain steps is at most
 (gamma + 1) / (1 + gamma * rho) on any device, and close to 1 wherever the weights
-outweigh the cache (a small batch with short contexts: e.g. B 1 on a CPU)."""
+outweigh the cache (a small batch with short contexts: e.g. B 1 on a CPU).
+
+A quantized draft (`SpecConfig.draft_weights`, `quant`) reads fewer weight bytes: its
+rounds may pay where the model's own drafts' cannot (rho per format: `draft_weight_bytes`)."""
 
 from __future__ import annotations
 
@@ -19,7 +22,9 @@ import math
 import jax
 import numpy as np
 
+from vegas_jax.auto_choice import SAME, Config
 from vegas_jax.params import param_dtype
+from vegas_jax.quant import quantize_params
 
 
 def weight_bytes(params, cfg, rows: int) -> float:
@@ -47,24 +52,37 @@ def draft_positions(spec, gamma: int, n: float) -> float:
     return min(n, budget + gamma)
 
 
-def round_bounds(model, spec, gammas, reads_whole_cache: bool, slots: int, contexts,
-                 max_len: int) -> dict[int, float]:
-    """Each candidate gamma's bound on a round's speedup over plain steps (module
-    docstring), at the mean context of the prompts' decoding (`contexts` [prompts]:
-    prompt length + half its new tokens), `slots` sequences at once in a cache of
-    `max_len` positions; `reads_whole_cache`: attention reads every cache position,
-    masked (the XLA reference), instead of the visible ones."""
+def draft_weight_bytes(model, fmt: str, rows: int) -> float:
+    """Bytes of weights a draft step of `rows` tokens reads in `fmt` (`quant.DRAFT_WEIGHTS`):
+    the model's own, or its quantized copy's (shapes only: nothing is made) packed
+    matrices and scales, the LM head one of them, the embedding gathered."""
+    if fmt == SAME:
+        return weight_bytes(model.params, model.config, rows)
+    draft = jax.eval_shape(lambda p: quantize_params(p, fmt), model.params)
+    return weight_bytes(draft, model.config, rows)
+
+
+def round_bounds(model, spec, gammas, xc, slots: int, contexts, max_len: int,
+                 formats=(SAME,)) -> dict[Config, float]:
+    """Each candidate round's bound on its speedup over plain steps (module docstring),
+    per (gamma, draft format in `formats`), at the mean context of the prompts' decoding
+    (`contexts` [prompts]: prompt length + half its new tokens), `slots` sequences at
+    once in a cache of `max_len` positions, run as `xc` says (the XLA reference's
+    attention reads every cache position, masked, where the kernels read the visible
+    ones)."""
     cfg = model.config
     itemsize = np.dtype(param_dtype(model.params)).itemsize
     per_pos = 2 * cfg.num_kv_heads * cfg.head_dim * itemsize  # K and V, one layer
     n = float(np.mean(contexts))
     windows = cfg.layer_windows
-    step_pos = sum(max_len if reads_whole_cache else (min(n, w) if w else n) for w in windows)
-    weights = weight_bytes(model.params, cfg, slots)
-    step = weights + slots * per_pos * step_pos
+    whole = not (xc.pallas or xc.exact)
+    step_pos = sum(max_len if whole else (min(n, w) if w else n) for w in windows)
+    step = weight_bytes(model.params, cfg, slots) + slots * per_pos * step_pos
     out = {}
-    for g in gammas:
-        draft_pos = sum(min(n, w) if w else draft_positions(spec, g, n) for w in windows)
-        rho = (weights + slots * per_pos * draft_pos) / step
-        out[g] = (g + 1) / (1 + g * rho)
+    for f in formats:
+        weights = draft_weight_bytes(model, f, slots)
+        for g in gammas:
+            draft_pos = sum(min(n, w) if w else draft_positions(spec, g, n) for w in windows)
+            rho = (weights + slots * per_pos * draft_pos) / step
+            out[Config(g, f)] = (g + 1) / (1 + g * rho)
     return out

@@ -1,6 +1,7 @@
 """What auto measures: each device call's time, from the intervals between reading
-consecutive outputs (`CallTimer`), and the drafts accepted per position
-(`AcceptanceCounter`). `auto_choice` turns them into a choice."""
+consecutive outputs (`CallTimer`), the drafts accepted per position in each draft format
+(`AcceptanceCounter`, `FormatAcceptance`) and the rounds each configuration ran
+(`RoundCounts`). `auto_choice` turns them into a choice."""
 
 from __future__ import annotations
 
@@ -108,7 +109,7 @@ class AcceptanceCounter:
     def add(self, gamma: int, n_acc, active, count: bool = True):
         """A gamma round's drafts accepted per slot (n_acc [b]) among the slots it ran
         (active [b]); `count` False: the slots are followed, the acceptance not counted."""
-        self._live(active)
+        self.follow(active)
         if not count:
             return
         j = np.arange(1, gamma + 1)[None, :]
@@ -119,7 +120,8 @@ class AcceptanceCounter:
         self.slot_trials[:, 1:gamma + 1] += tried
         self.slot_hits[:, 1:gamma + 1] += hit
 
-    def _live(self, active):
+    def follow(self, active):
+        """The slots a call ran (active [b]): a slot back to life holds a new prompt."""
         active = np.asarray(active, bool)
         if self.slot_trials is None or len(self.slot_trials) != len(active):
             self.slot_trials = np.zeros((len(active), len(self.trials)))
@@ -133,3 +135,51 @@ class AcceptanceCounter:
     def snapshot(self) -> Acceptance:
         return Acceptance(self.trials, self.hits, self.slot_trials, self.slot_hits, self.live,
                           self.remaining)
+
+
+class FormatAcceptance:
+    """An `AcceptanceCounter` per draft format: a format's drafts are accepted at a rate
+    of their own. Every format's counter follows every round's slots (a slot refilled
+    while another format ran starts over in each)."""
+
+    def __init__(self, formats, top: int):
+        self.counters = {f: AcceptanceCounter(top) for f in formats}
+
+    def add(self, fmt: str, gamma: int, n_acc, active, count: bool = True):
+        """`AcceptanceCounter.add` of a round whose drafts read `fmt`'s weights."""
+        for f, counter in self.counters.items():
+            if f == fmt:
+                counter.add(gamma, n_acc, active, count)
+            else:
+                counter.follow(active)
+
+    def set_remaining(self, remaining):
+        """Tokens left per slot (None while prompts wait), for every format's tau."""
+        for counter in self.counters.values():
+            counter.remaining = remaining
+
+    def snapshot(self) -> dict[str, Acceptance]:
+        return {f: c.snapshot() for f, c in self.counters.items()}
+
+
+class RoundCounts:
+    """The rounds read per configuration: how many, and tau = tokens emitted over the
+    sequence-rounds (each active sequence's drafts accepted and one token more), every
+    round counted as `tally.Tally` counts it."""
+
+    def __init__(self):
+        self.rounds: collections.Counter = collections.Counter()
+        self.seq_rounds: collections.Counter = collections.Counter()
+        self.tokens: collections.Counter = collections.Counter()
+
+    def add(self, config: Config, n_acc, active):
+        n = np.asarray(n_acc) if active is None else np.asarray(n_acc)[active]
+        self.rounds[config] += 1
+        self.seq_rounds[config] += len(n)
+        self.tokens[config] += int(n.sum()) + len(n)
+
+    def stats(self, config: Config) -> dict:
+        """`config`'s rounds read, their sequence-rounds and tau (None: no sequence ran)."""
+        seq = self.seq_rounds[config]
+        return {"rounds": self.rounds[config], "sequence_rounds": seq,
+                "tau": self.tokens[config] / seq if seq else None}

@@ -168,8 +168,9 @@ def _log_stats(st, spec, log) -> None:
 
 
 def _auto_lines(spec, st, acc) -> list[str]:
-    """auto's stats lines: what it ran (rounds of each gamma and their tau, plain calls),
-    or why it decoded plainly; what it measured and built."""
+    """auto's stats lines: what it ran (rounds of each gamma and draft format and their
+    tau, plain calls), or why it decoded plainly; the formats it chose among; what it
+    measured and built."""
     a = st["auto"]
     best = max(a["round_bound"].items(), key=lambda kv: kv[1], default=(None, 1.0))
     if not a["rounds_allowed"]:
@@ -177,8 +178,8 @@ def _auto_lines(spec, st, acc) -> list[str]:
                 f"round could at best be {best[1]:.2f}x plain steps here ({best[0]}, from what "
                 f"a draft step reads beside a plain step), below the {a['min_gain']:.2f}x it "
                 "needs; no round compiled"]
-    ran = ", ".join(f"gamma {g} x{r['rounds']} tau {r['tau']:.2f}"
-                    for g, r in st["by_gamma"].items())
+    tau = lambda t: "-" if t is None else f"{t:.2f}"  # noqa: E731 (no sequence ran)
+    ran = ", ".join(f"{c} x{r['rounds']} tau {tau(r['tau'])}" for c, r in a["by_config"].items())
     n = a["built_after_calls"]
     built = {"skipped": "not built, too little decoding left to build and try them",
              "running": "still compiling in the background at the end",
@@ -187,11 +188,13 @@ def _auto_lines(spec, st, acc) -> list[str]:
              + (", after the last call" if n is None else f", in use from call {n + 1}")
              }.get(a["build"], a["build"])
     chosen = a["choice"] or "nothing timed"
+    left_out = "".join(f"; {f} left out: {why}" for f, why in a["formats_dropped"].items())
     return [f"method=auto sparsity={spec.sparsity} tau={st['tau']:.2f} tokens/round over "
             f"{st['rounds']} rounds ({ran or 'none'}) and {st['plain_calls']} calls of plain "
             f"steps; acceptance of draft i given 1..i-1 accepted: [{acc}]",
-            f"auto: fastest measured {chosen} (started on gamma {spec.gamma}, a round "
-            f"at best {best[1]:.2f}x plain steps; the other candidates {built})"]
+            f"auto: fastest measured {chosen} (started on {a['start']}, a round at best "
+            f"{best[1]:.2f}x plain steps; the other candidates {built})",
+            f"auto: draft weights {', '.join(a['formats'])}{left_out}"]
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ from pallas_kernels.capture_select import select_from_capture
 from pallas_kernels.topk import select_topk_fast
 from pallas_kernels.verify_attention import SCORES  # noqa: F401 (`SpecConfig` takes these)
 from vegas_jax.attention import AttnPlan, Capture, RawCapture
+from vegas_jax.quant import DRAFT_WEIGHTS
 
 # ceil() of a product that should be a whole number can land one above it in floating
 # point (0.07 * 10000 = 700.0000000000001): forgive that much.
@@ -327,12 +328,16 @@ class Quest(Method):
 
 @dataclasses.dataclass(frozen=True)
 class Auto(Method):
-    """Choose gamma, or plain decoding, while generating (`auto.AutoController`): drafts
-    read what `base` selects; the sparsity stays as configured. gammas: the candidates
-    (each compiled before decoding); () = the configured gamma and gamma +- 2."""
+    """Choose gamma and the draft's weights, or plain decoding, while generating
+    (`auto.AutoController`): drafts read what `base` selects; the sparsity stays as
+    configured. gammas: the candidates; () = the configured gamma and gamma +- 2.
+    formats: the draft weights to choose among (`quant.DRAFT_WEIGHTS`), with the
+    configured `SpecConfig.draft_weights` (where auto starts); () = every format the
+    model can draft with (`speculative_generate` decides: dense models on one device)."""
 
     base: Method = VerifyGuided("pair", decay=0.5)  # `vegas`
     gammas: tuple[int, ...] = ()
+    formats: tuple[str, ...] = ()
     name: ClassVar[str] = "auto"
 
     def __post_init__(self):
@@ -340,6 +345,9 @@ class Auto(Method):
             raise ValueError("auto needs a speculative base method")
         if self.gammas and min(self.gammas) < 1:
             raise ValueError(f"gammas must be whole numbers >= 1, got {self.gammas}")
+        if isinstance(self.formats, str) or not set(self.formats) <= set(DRAFT_WEIGHTS):
+            raise ValueError(f"formats must be draft weights among {DRAFT_WEIGHTS}, got "
+                             f"{self.formats!r}")
 
     def capture(self, spec):
         return self.base.capture(spec)
@@ -351,6 +359,11 @@ class Auto(Method):
         """The gammas auto chooses among when configured with `gamma`."""
         return tuple(sorted(set(self.gammas or (max(gamma - 2, 1), gamma, gamma + 2))
                             | {gamma}))
+
+    def candidate_formats(self, start: str) -> tuple[str, ...]:
+        """The draft weights auto chooses among when it starts on `start`, in
+        `quant.DRAFT_WEIGHTS`'s order (`formats` unresolved: `start` alone)."""
+        return tuple(f for f in DRAFT_WEIGHTS if f in {*self.formats, start})
 
     def tail_len(self, spec, max_len):
         # A round follows rounds of any candidate gamma: the tail must hold what the

@@ -172,6 +172,10 @@ class DraftCache:
             self._copies[fmt] = make_draft_params(params, fmt)
         return self._copies[fmt]
 
+    def holds(self, params: Params, fmt: str) -> bool:
+        """Whether `fmt`'s copy of `params` is made (its bytes are in use already)."""
+        return self._of is not None and self._of() is params and fmt in self._copies
+
 
 # a model's field (`loading.Model.drafts`) and no array: a pytree without leaves, so that
 # a model still goes through jax.tree functions and eval_shape

@@ -15,8 +15,8 @@ from jax import lax
 
 from vegas_jax.attention import AttnPlan, Capture, raw_capture
 from vegas_jax.auto import AutoController
-from vegas_jax.auto_bound import round_bounds
 from vegas_jax.auto_choice import AutoPolicy
+from vegas_jax.auto_formats import Sizes, candidate_formats, prepare_drafts
 from vegas_jax.cache import KVCache
 from vegas_jax.config import ModelConfig
 from vegas_jax.driver import GenerationResult, Launch, Progress, launch, run_loop
@@ -26,6 +26,7 @@ from vegas_jax.generate import DecodeState, PlainRunner, decode_steps_body, gene
 from vegas_jax.methods import DEFAULT_METHOD, SCORES, Auto, Method, method_named
 from vegas_jax.model import forward
 from vegas_jax.params import Params
+from vegas_jax.prompts import encode_prompts
 from vegas_jax.quant import check_draft_weights, draft_params
 from vegas_jax.sampling import SamplingParams, accept, sample
 from vegas_jax.tally import Tally
@@ -41,7 +42,7 @@ class SpecConfig:
     min_tokens: floor of that budget. score: "weight" (softmax weights, the authors'
     default) or "logit" (raw logits, the paper's formula). draft_weights: the weights
     drafts read (`quant.DRAFT_WEIGHTS`): "same" (the model's), or an "int8" / "int4"
-    copy (lossless still: the verify keeps the model's own)."""
+    copy (lossless still: the verify keeps the model's own); auto: where it starts."""
 
     method: Method | str = DEFAULT_METHOD
     gamma: int = 6
@@ -202,23 +203,28 @@ class SpecRunner:
     rounds and plain steps (`AutoController`)."""
 
     def __init__(self, model, lc: Launch, spec: SpecConfig, sampling: SamplingParams,
-                 auto: AutoController | None, draft: Params | None = None):
-        """draft: the params the drafts read (`quant.draft_params`; None: the model's)."""
+                 auto: AutoController | None, drafts: Callable[[str], Params | None]):
+        """drafts(format): the params the drafts of that format read (`quant.draft_params`;
+        None: the model's): `spec.draft_weights`, or each auto candidate's (made by the
+        first call that needs it: `auto_formats.DraftCopies`)."""
         self.spec, self.xc, self.key, self.auto = spec, lc.xc, lc.key, auto
         self.name, self.capture = spec.name, prefill_capture(spec)
         self.tally = Tally(len(lc.ids))
         if auto is None:
-            self.step = _runner(model, lc.xc, spec, sampling, draft=draft)
+            self.step = _runner(model, lc.xc, spec, sampling, draft=drafts(spec.draft_weights))
             return
 
-        def make(config):  # plain decoding on the same cache, or a round of that gamma
+        def make(config):  # plain decoding on the same cache, or a round of (gamma, format)
             if config.plain:
-                low = dataclasses.replace(auto.spec, gamma=min(auto.gammas))
+                low = dataclasses.replace(auto.spec, gamma=min(auto.gammas),
+                                          draft_weights=config.draft_weights)
                 return _runner(model, lc.xc, low, sampling, auto.policy.plain_steps)
-            return _runner(model, lc.xc, dataclasses.replace(auto.spec, gamma=config.gamma),
-                           sampling, draft=draft)
+            spec_c = dataclasses.replace(auto.spec, gamma=config.gamma,
+                                         draft_weights=config.draft_weights)
+            return lambda st: _runner(model, lc.xc, spec_c, sampling,
+                                      draft=drafts(config.draft_weights))(st)
 
-        auto.prepare(make)  # the configured gamma builds on its first call, the rest later
+        auto.prepare(make)  # the start builds on its first call, the rest later
         self.step = lambda st: auto.run(auto.choose(), st)
 
     def _init_args(self, cache, first, scores, progress):
@@ -273,15 +279,6 @@ class AutoPlainRunner(PlainRunner):
                 "auto": self.auto.stats()}
 
 
-def _allows_rounds(model, lc: Launch, auto: AutoController) -> bool:
-    """Whether a round of some candidate could beat plain steps by auto's `min_gain`,
-    from what each reads at the prompts' mean context while decoding (`auto_bound`)."""
-    contexts = [len(p) + lim / 2 for p, lim in zip(lc.ids, lc.limits)]
-    whole = not (lc.xc.pallas or lc.xc.exact)  # the XLA reference reads the whole cache
-    return auto.allow_rounds(round_bounds(model, auto.spec, auto.gammas, whole, lc.cache.batch,
-                                          contexts, lc.cache.max_len))
-
-
 def speculative_generate(
     model,
     prompts,
@@ -297,10 +294,10 @@ def speculative_generate(
     """Self-speculative decoding of prompts (conversations of {"role", "content"} messages,
     raw strings or token ids: `vegas_jax.prompts.encode_prompts`); output has the vanilla
     distribution (greedy: the same tokens). `spec.method="vanilla"` runs plain decoding;
-    "auto" decodes plainly where no round can pay, else chooses gamma or plain steps as it
-    goes (`auto_policy`: its settings). `max_batch`: at most this many sequences at once;
-    each finished one's slot is refilled with the next prompt's prefill (results stay in
-    prompt order). `max_new_tokens`: one limit, or one per prompt. `exec_config`: how to
+    "auto" decodes plainly where no round can pay, else chooses gamma and the drafts'
+    weights (`Auto.formats`), or plain steps, as it goes (`auto_policy`: its settings).
+    `max_batch`: at most this many sequences at once; each finished one's slot is
+    refilled with the next prompt's prefill (results stay in prompt order). `max_new_tokens`: one limit, or one per prompt. `exec_config`: how to
     run (default: the model's)."""
     if not isinstance(spec, SpecConfig):
         raise TypeError("spec must be a SpecConfig")
@@ -310,15 +307,26 @@ def speculative_generate(
         steps = max(len(t) for t in res.tokens) - 1  # one token per step after the prefill's
         res.stats.update(tau=1.0, gamma=0, acceptance_cumulative=[], rounds=steps)
         return res
-    # made before the cache, whose memory check then counts it
-    draft = draft_params(model, spec.draft_weights, exec_config_of(model, exec_config))
-    auto = AutoController(spec, auto_policy) if isinstance(spec.method, Auto) else None
+    xc = exec_config_of(model, exec_config)
+    auto = None
+    if isinstance(spec.method, Auto):
+        spec, refused = candidate_formats(spec, model, xc)
+        auto = AutoController(spec, auto_policy)
+        for f, why in refused.items():
+            auto.drop_format(f, why)
     gamma = max(auto.gammas) if auto else spec.gamma
     # Room past the last kept token: a round writes gamma + 1 entries after n, and the last
     # round may overshoot max_new_tokens by gamma.
     extra = 2 * gamma + 2 + spec.method.extra_len()
+    if auto is None:  # made before the cache, whose memory check then counts it
+        drafts = {spec.draft_weights: draft_params(model, spec.draft_weights, xc)}.get
+    else:  # the bound first (no copy where no round can pay), then the copies that fit
+        prompts = encode_prompts(model, prompts)
+        copies = prepare_drafts(model, xc, auto, Sizes.plan(model, prompts, max_new_tokens,
+                                                            max_batch, extra))
+        drafts = None if copies is None else copies.get
     lc = launch(model, prompts, max_new_tokens, sampling, extra, exec_config, max_batch, seed,
                 on_tokens)
-    if auto is not None and not _allows_rounds(model, lc, auto):
+    if auto is not None and drafts is None:
         return run_loop(model, lc, sampling, AutoPlainRunner(model, lc, spec, sampling, auto))
-    return run_loop(model, lc, sampling, SpecRunner(model, lc, spec, sampling, auto, draft))
+    return run_loop(model, lc, sampling, SpecRunner(model, lc, spec, sampling, auto, drafts))
