@@ -132,6 +132,10 @@ class AcceptanceCounter:
         self.slot_hits[reborn] = 0
         self.live = active
 
+    def set_remaining(self, remaining):
+        """Tokens left per slot [b] (None while prompts wait for a slot)."""
+        self.remaining = remaining
+
     def snapshot(self) -> Acceptance:
         return Acceptance(self.trials, self.hits, self.slot_trials, self.slot_hits, self.live,
                           self.remaining)
@@ -156,7 +160,7 @@ class FormatAcceptance:
     def set_remaining(self, remaining):
         """Tokens left per slot (None while prompts wait), for every format's tau."""
         for counter in self.counters.values():
-            counter.remaining = remaining
+            counter.set_remaining(remaining)
 
     def snapshot(self) -> dict[str, Acceptance]:
         return {f: c.snapshot() for f, c in self.counters.items()}
