@@ -12,6 +12,8 @@ dequantizes any group; the kernels take the library's): the CPU studies' path.
   int4-g16     groups of 16
   int4-h8      int4 layers, the LM head in int8 (per output column, as "int8")
   int4-g32-h8  both
+  int4-hf      int4 layers, the LM head the model's own (full precision) weights
+  int8-hf      int8 layers, the LM head the model's own weights
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ from vegas_jax.quant import DRAFT_MATMULS, DRAFT_WEIGHTS, QuantWeight
 @dataclasses.dataclass(frozen=True)
 class DraftFormat:
     """layers: the layer matmuls' format ("int8" or "int4"); group: int4's group along k
-    (None: the library's, `group_size(k)`); head: the LM head's format (None: layers')."""
+    (None: the library's, `group_size(k)`); head: the LM head's format (None: the layers';
+    "same": the model's own head)."""
 
     layers: str
     group: int | None = None
@@ -52,6 +55,8 @@ VARIANTS = {
     "int4-g16": DraftFormat("int4", group=16),
     "int4-h8": DraftFormat("int4", head="int8"),
     "int4-g32-h8": DraftFormat("int4", group=32, head="int8"),
+    "int4-hf": DraftFormat("int4", head="same"),
+    "int8-hf": DraftFormat("int8", head="same"),
 }
 NAMES = (*DRAFT_WEIGHTS, *VARIANTS)
 
@@ -80,8 +85,8 @@ def draft_params(params: Params, f: DraftFormat) -> Params:
                              for n in DRAFT_MATMULS})
 
     tied = params.lm_head is None
-    head = _quantize(params.embed if tied else params.lm_head, f.head_fmt, f.group, False,
-                     transpose=tied)
+    head = params.lm_head if f.head_fmt == "same" else _quantize(
+        params.embed if tied else params.lm_head, f.head_fmt, f.group, False, transpose=tied)
     return map_layers(params, layer).replace(lm_head=head)
 
 
@@ -117,13 +122,11 @@ def step_bytes(cfg, name: str) -> int:
 
     check_name(name)
     params = jax.eval_shape(lambda: init_params(cfg, jax.random.PRNGKey(0)))
-    if name == "same":
-        ws = [getattr(lp, n) for lp in _layers(params) for n in DRAFT_MATMULS]
-        ws.append(params.embed if params.lm_head is None else params.lm_head)
-    else:
+    if name != "same":
         f = LIBRARY.get(name) or VARIANTS[name]
-        ws = jax.eval_shape(lambda p: draft_params(p, f), params)
-        ws = [getattr(lp, n) for lp in _layers(ws) for n in DRAFT_MATMULS] + [ws.lm_head]
+        params = jax.eval_shape(lambda p: draft_params(p, f), params)
+    ws = [getattr(lp, n) for lp in _layers(params) for n in DRAFT_MATMULS]
+    ws.append(params.embed if params.lm_head is None else params.lm_head)  # tied: embed.T
     return sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(ws))
 
 
