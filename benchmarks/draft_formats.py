@@ -10,8 +10,12 @@ dequantizes any group; the kernels take the library's): the CPU studies' path.
 
   int4-g32     int4 layers and head, groups of 32 along k (the library's: 128, or 64)
   int4-g16     groups of 16
+  int4-g24     groups of 24: the control of the two above on the embedded SmolLM2, whose
+               GGUF weights are Q4_1 (blocks of 32 along k, with a minimum): groups of 32
+               or 16 fall within those blocks and see each one's own range, groups of 24
+               straddle them, as any group does the blocks a bf16 model never had
   int4-h8      int4 layers, the LM head in int8 (per output column, as "int8")
-  int4-g32-h8  both
+  int4-g32-h8  int4 in groups of 32, the LM head in int8 (likewise int4-g24-h8, int4-g16-h8)
   int4-hf      int4 layers, the LM head the model's own (full precision) weights
   int8-hf      int8 layers, the LM head the model's own weights
 """
@@ -53,8 +57,11 @@ LIBRARY = {"int8": DraftFormat("int8"), "int4": DraftFormat("int4")}
 VARIANTS = {
     "int4-g32": DraftFormat("int4", group=32),
     "int4-g16": DraftFormat("int4", group=16),
+    "int4-g24": DraftFormat("int4", group=24),
     "int4-h8": DraftFormat("int4", head="int8"),
     "int4-g32-h8": DraftFormat("int4", group=32, head="int8"),
+    "int4-g24-h8": DraftFormat("int4", group=24, head="int8"),
+    "int4-g16-h8": DraftFormat("int4", group=16, head="int8"),
     "int4-hf": DraftFormat("int4", head="same"),
     "int8-hf": DraftFormat("int8", head="same"),
 }
