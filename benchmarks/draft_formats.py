@@ -16,6 +16,10 @@ dequantizes any group; the kernels take the library's): the CPU studies' path.
                straddle them, as any group does the blocks a bf16 model never had
   int4-h8      int4 layers, the LM head in int8 (per output column, as "int8")
   int4-g32-h8  int4 in groups of 32, the LM head in int8 (likewise int4-g24-h8, int4-g16-h8)
+  int4-clip    the library's int4 format and groups, each group's scale from a search
+               (clipped at a * max|w|, a from 1 down to 0.7, the least squared error)
+               instead of max|w| / 7: other values, the same bytes and kernel
+  int4-clip-h8 that, the LM head in int8
   int4-hf      int4 layers, the LM head the model's own (full precision) weights
   int8-hf      int8 layers, the LM head the model's own weights
 """
@@ -26,10 +30,11 @@ import dataclasses
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pallas_kernels.quant_matmul import quantize
+from pallas_kernels.quant_matmul import group_size, quantize
 from vegas_jax.params import Params, map_layers
 from vegas_jax.quant import DRAFT_MATMULS, DRAFT_WEIGHTS, QuantWeight
 
@@ -38,11 +43,12 @@ from vegas_jax.quant import DRAFT_MATMULS, DRAFT_WEIGHTS, QuantWeight
 class DraftFormat:
     """layers: the layer matmuls' format ("int8" or "int4"); group: int4's group along k
     (None: the library's, `group_size(k)`); head: the LM head's format (None: the layers';
-    "same": the model's own head)."""
+    "same": the model's own head); clip: int4's scales from `clip_search`."""
 
     layers: str
     group: int | None = None
     head: str | None = None
+    clip: bool = False
 
     @property
     def head_fmt(self) -> str:
@@ -62,6 +68,8 @@ VARIANTS = {
     "int4-g32-h8": DraftFormat("int4", group=32, head="int8"),
     "int4-g24-h8": DraftFormat("int4", group=24, head="int8"),
     "int4-g16-h8": DraftFormat("int4", group=16, head="int8"),
+    "int4-clip": DraftFormat("int4", clip=True),
+    "int4-clip-h8": DraftFormat("int4", head="int8", clip=True),
     "int4-hf": DraftFormat("int4", head="same"),
     "int8-hf": DraftFormat("int8", head="same"),
 }
@@ -73,13 +81,41 @@ def check_name(name: str) -> None:
         raise ValueError(f"unknown draft weights {name!r}; choose from {', '.join(NAMES)}")
 
 
-@functools.partial(jax.jit, static_argnames=("fmt", "group", "stacked", "transpose"))
-def _quantize(w, fmt: str, group: int | None, stacked: bool, transpose: bool = False):
-    """w [k, n] (transpose: [n, k]) or stacked [L, k, n], one layer at a time."""
+ALPHAS = tuple(1 - 0.025 * i for i in range(13))  # clip_search's: 1.0 down to 0.7
+
+
+def clip_search(w, group: int):
+    """w [k, n] with each group of `group` rows (and column) clipped at a * max|w|, a from
+    ALPHAS the one whose int4 copy (bf16 scale a * max|w| / 7, as `quantize`'s) is
+    nearest w in squared error: quantizing the result gives that copy."""
+    k, n = w.shape
+    wg = w.astype(jnp.float32).reshape(k // group, group, n)
+    top = jnp.max(jnp.abs(wg), axis=1, keepdims=True)  # [k/g, 1, n]
+
+    def err(a):  # [k/g, n]
+        s = (a * top / 7).astype(jnp.bfloat16).astype(jnp.float32)
+        q = jnp.clip(jnp.round(wg / jnp.where(s == 0, 1.0, s)), -7, 7)
+        return jnp.sum((q * s - wg) ** 2, axis=1)
+
+    best = jnp.asarray(ALPHAS)[jnp.argmin(jnp.stack([err(a) for a in ALPHAS]), axis=0)]
+    lim = best[:, None] * top  # [k/g, 1, n]
+    return jnp.clip(wg, -lim, lim).reshape(k, n).astype(w.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("f", "fmt", "stacked", "transpose"))
+def _quantize(w, f: DraftFormat, fmt: str, stacked: bool, transpose: bool = False):
+    """w [k, n] (transpose: [n, k]) or stacked [L, k, n], one layer at a time, in `fmt`
+    (the layers' or the head's) with f's group and clipping."""
     if transpose:
         w = w.T
-    g = group if fmt == "int4" else None
-    q, scale = lax.map(lambda a: quantize(a, fmt, g), w) if stacked else quantize(w, fmt, g)
+    g = f.group if fmt == "int4" else None
+
+    def one(a):
+        if f.clip and fmt == "int4":
+            a = clip_search(a, g or group_size(a.shape[0]))
+        return quantize(a, fmt, g)
+
+    q, scale = lax.map(one, w) if stacked else one(w)
     return QuantWeight(q, scale, fmt)
 
 
@@ -88,12 +124,12 @@ def draft_params(params: Params, f: DraftFormat) -> Params:
     tied head as a copy of embed.T) a `QuantWeight` of `f`; everything else shared."""
     def layer(lp):
         stacked = lp.wo.ndim == 3
-        return lp.replace(**{n: _quantize(getattr(lp, n), f.layers, f.group, stacked)
+        return lp.replace(**{n: _quantize(getattr(lp, n), f, f.layers, stacked)
                              for n in DRAFT_MATMULS})
 
     tied = params.lm_head is None
     head = params.lm_head if f.head_fmt == "same" else _quantize(
-        params.embed if tied else params.lm_head, f.head_fmt, f.group, False, transpose=tied)
+        params.embed if tied else params.lm_head, f, f.head_fmt, False, transpose=tied)
     return map_layers(params, layer).replace(lm_head=head)
 
 

@@ -205,3 +205,21 @@ def test_draft_formats_library_names_and_variants():
     assert b["same"] / 4 < b["int4"] < b["int4-g32"] < b["int8"] < b["same"] / 1.9
     head = 576 * 49152  # SmolLM2's tied head, [576, 49152]
     assert b["int4-h8"] - b["int4"] == (head + 4 * 49152) - (head // 2 + 2 * 576 // 64 * 49152)
+
+
+def test_clip_search_is_never_worse_than_max_scales():
+    """int4-clip's copy of a weight is, group by group, at least as near the weight as the
+    library's (a = 1 is among the candidates), and nearer in sum on gaussian weights."""
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks import draft_formats as df
+    from pallas_kernels.quant_matmul import dequantize, quantize
+
+    w = jax.random.normal(jax.random.PRNGKey(3), (256, 16))
+    plain = np.asarray(dequantize(*quantize(w, "int4"), "int4"))
+    clip = np.asarray(dequantize(*quantize(df.clip_search(w, 128), "int4"), "int4"))
+    err = lambda a: ((a - np.asarray(w)) ** 2).reshape(2, 128, 16).sum(1)  # noqa: E731
+    assert np.all(err(clip) <= err(plain) * (1 + 1e-5))
+    assert err(clip).sum() < 0.95 * err(plain).sum()
+    assert float(jnp.max(jnp.abs(df.clip_search(w, 128)))) <= float(jnp.max(jnp.abs(w)))
