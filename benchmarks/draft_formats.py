@@ -19,7 +19,7 @@ dequantizes any group; the kernels take the library's): the CPU studies' path.
   int4-clip    the library's int4 format and groups, each group's scale from a search
                (clipped at a * max|w|, a from 1 down to 0.7, the least squared error)
                instead of max|w| / 7: other values, the same bytes and kernel
-  int4-clip-h8 that, the LM head in int8
+  int4-clip-h8 that, the LM head in int8 (likewise int4-g32-clip-h8, int4-g24-clip-h8)
   int4-hf      int4 layers, the LM head the model's own (full precision) weights
   int8-hf      int8 layers, the LM head the model's own weights
 """
@@ -70,6 +70,8 @@ VARIANTS = {
     "int4-g16-h8": DraftFormat("int4", group=16, head="int8"),
     "int4-clip": DraftFormat("int4", clip=True),
     "int4-clip-h8": DraftFormat("int4", head="int8", clip=True),
+    "int4-g32-clip-h8": DraftFormat("int4", group=32, head="int8", clip=True),
+    "int4-g24-clip-h8": DraftFormat("int4", group=24, head="int8", clip=True),
     "int4-hf": DraftFormat("int4", head="same"),
     "int8-hf": DraftFormat("int8", head="same"),
 }
