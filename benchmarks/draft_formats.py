@@ -1,27 +1,26 @@
 """Draft weight formats for the studies: the library's (`SpecConfig.draft_weights`: same,
 int8, int4) and study-only variants of them, by name.
 
-A variant is a `DraftFormat`: the layer matmuls' format and (int4) group, and the LM
-head's format. Its draft params are made here with the library's quantizer
+A variant is a `DraftFormat`: the layer matmuls' format, int4's group and scales, and
+the LM head's format. Its draft params are made here with the library's quantizer
 (`pallas_kernels.quant_matmul.quantize`) and `QuantWeight`, and handed to a run through
 the model's `drafts` (the seam `quant.draft_params` reads), so the library carries no
 option for them. Groups other than the library's run on the XLA path only (the reference
 dequantizes any group; the kernels take the library's): the CPU studies' path.
 
   int4-g32     int4 layers and head, groups of 32 along k (the library's: 128, or 64)
-  int4-g16     groups of 16
-  int4-g24     groups of 24: the control of the two above on the embedded SmolLM2, whose
-               GGUF weights are Q4_1 (blocks of 32 along k, with a minimum): groups of 32
-               or 16 fall within those blocks and see each one's own range, groups of 24
+  int4-g24     groups of 24: the control of groups of 32 or 16 on the embedded SmolLM2,
+               whose GGUF weights are Q4_1 (blocks of 32 along k, with a minimum): those
+               fall within the blocks and see each one's own range, groups of 24
                straddle them, as any group does the blocks a bf16 model never had
   int4-h8      int4 layers, the LM head in int8 (per output column, as "int8")
   int4-g32-h8  int4 in groups of 32, the LM head in int8 (likewise int4-g24-h8, int4-g16-h8)
   int4-clip    the library's int4 format and groups, each group's scale from a search
                (clipped at a * max|w|, a from 1 down to 0.7, the least squared error)
-               instead of max|w| / 7: other values, the same bytes and kernel
+               instead of max|w| / 7: other values, the same bytes and kernel (every
+               int4 weight: here the head's too; with -h8 the layers' only)
   int4-clip-h8 that, the LM head in int8 (likewise int4-g32-clip-h8, int4-g24-clip-h8)
   int4-hf      int4 layers, the LM head the model's own (full precision) weights
-  int8-hf      int8 layers, the LM head the model's own weights
 """
 
 from __future__ import annotations
@@ -62,7 +61,6 @@ class DraftFormat:
 LIBRARY = {"int8": DraftFormat("int8"), "int4": DraftFormat("int4")}
 VARIANTS = {
     "int4-g32": DraftFormat("int4", group=32),
-    "int4-g16": DraftFormat("int4", group=16),
     "int4-g24": DraftFormat("int4", group=24),
     "int4-h8": DraftFormat("int4", head="int8"),
     "int4-g32-h8": DraftFormat("int4", group=32, head="int8"),
@@ -73,7 +71,6 @@ VARIANTS = {
     "int4-g32-clip-h8": DraftFormat("int4", group=32, head="int8", clip=True),
     "int4-g24-clip-h8": DraftFormat("int4", group=24, head="int8", clip=True),
     "int4-hf": DraftFormat("int4", head="same"),
-    "int8-hf": DraftFormat("int8", head="same"),
 }
 NAMES = (*DRAFT_WEIGHTS, *VARIANTS)
 
