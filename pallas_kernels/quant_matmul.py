@@ -51,17 +51,22 @@ def _check_fmt(fmt: str) -> None:
         raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
 
 
-def quantize(w, fmt: str):
-    """w [..., k, n] -> (q, scale) in `fmt` (module docstring). Runs under jit."""
+def quantize(w, fmt: str, group: int | None = None):
+    """w [..., k, n] -> (q, scale) in `fmt` (module docstring). Runs under jit. group:
+    int4's group along k (default `group_size(k)`, the only one the kernels take; any
+    even divisor of k serves `dequantize` and the reference, e.g. for a study)."""
     _check_fmt(fmt)
     *lead, k, n = w.shape
+    if group is not None and (fmt != "int4" or group < 2 or group % 2 or k % group):
+        raise ValueError(f"group must be an even divisor of k {k} (int4 only), got {group} "
+                         f"for {fmt}")
     wf = jnp.swapaxes(w.astype(jnp.float32), -1, -2)  # [..., n, k]
     if fmt == "int8":
         s = jnp.max(jnp.abs(wf), axis=-1) / _QMAX[fmt]  # [..., n]
         safe = jnp.where(s == 0.0, 1.0, s)
         q = jnp.clip(jnp.round(wf / safe[..., None]), -127, 127).astype(jnp.int8)
         return q, s
-    g = group_size(k)
+    g = group or group_size(k)
     wg = wf.reshape(*lead, n, k // g, g)
     # quantize against the stored (bf16) scale, so that dequantize inverts it
     s = (jnp.max(jnp.abs(wg), axis=-1) / _QMAX[fmt]).astype(jnp.bfloat16)  # [..., n, k/g]

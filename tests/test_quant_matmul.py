@@ -82,6 +82,25 @@ def test_int4_uses_the_symmetric_range():
     assert vals.min() == -7 and vals.max() == 7
 
 
+def test_int4_group_is_a_parameter():
+    """A group other than `group_size(k)`'s (a study's) packs and dequantizes by the same
+    rules, each group's largest |w| at +-7; the kernel takes the default group only."""
+    w = jax.random.normal(jax.random.PRNGKey(5), (192, 8)) * 0.1
+    q, s = quantize(w, "int4", group=32)
+    assert q.shape == (8, 96) and s.shape == (6, 8)
+    vals = np_unpack(q, "int4", 32)
+    per_row = np.repeat(np.asarray(s, np.float32), 32, axis=0)
+    back = np.asarray(dequantize(q, s, "int4"))
+    np.testing.assert_array_equal(back, vals * per_row)
+    assert np.all(np.abs(vals.reshape(6, 32, 8)).max(axis=1) == 7)
+    assert np.all(np.abs(back - np.asarray(w)) <= 0.5 * per_row * 1.01 + 1e-7)
+    with pytest.raises(ValueError, match="scale must be"):
+        quant_matmul(jnp.ones((2, 192)), q, s, fmt="int4", interpret=True)
+    for fmt, g in (("int4", 40), ("int4", 3), ("int8", 32)):
+        with pytest.raises(ValueError, match="group must be"):
+            quantize(w, fmt, group=g)
+
+
 def test_group_size():
     assert [group_size(k) for k in (4096, 12288, 576, 1536, 64)] == [128, 128, 64, 128, 64]
     with pytest.raises(ValueError, match="multiple of 64"):

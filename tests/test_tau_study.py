@@ -136,3 +136,90 @@ def test_pooled_table_puts_every_kind_together():
     out = ts.pooled(rows)
     assert "| vegas | 4.50 | 3.00 | 1.250 [" in out  # (13.5 + 9) / (9 + 9)
     assert "| stream | 3.00 | 3.00 | 1.000 [1.000, 1.000] | 0.800 [" in out
+
+
+@pytest.mark.slow
+def test_draft_weights_axis_on_a_tiny_model(monkeypatch):
+    """Every method runs with every draft format on the same greedy sequences; quantized
+    rows get their ratio to the same method on the model's own weights, per cell and
+    pooled; a study variant (here int4 groups of 32, the head in int8) runs as the
+    library's formats do."""
+    from vegas_jax.loading import Model
+    from tests.tiny import tiny_model
+
+    tm = tiny_model(scale=0.3)
+    m = Model(tm.config, tm.params)
+    rng = np.random.default_rng(2)
+    monkeypatch.setattr(ts, "prompts_for", lambda tok, kind, ctx, n: [
+        rng.integers(0, 100, size=ctx).tolist() for _ in range(n)])
+    weights = ["same", "int8", "int4", "int4-g32-h8"]
+    args = _args(seqs=3, new_tokens=16, batch=None, min_tokens=8, methods=["vegas", "stream"],
+                 draft_weights=weights)
+    rows = ts.run_cell(m, "prose", 200, 0.07, 3, args)
+    assert [(r["method"], r["draft_weights"]) for r in rows] == [
+        (x, w) for x in ("vegas", "stream") for w in weights]
+    assert all(r["equal_to_first_method"] == 3 for r in rows)  # greedy: the same tokens
+    by = {(r["method"], r["draft_weights"]): r for r in rows}
+    assert "vs_same" not in by["vegas", "same"]
+    r = by["vegas", "int4"]
+    assert r["vs_same"] == pytest.approx(r["tau"] / by["vegas", "same"]["tau"])
+    assert r["vs_stream"] == pytest.approx(r["tau"] / by["stream", "same"]["tau"])
+    table = ts.table(rows)
+    assert "vs same weights (95 % CI) |" in table
+    assert "| prose | 200 | 0.07 | 3 | vegas @int4 | %.3f | %.3f [" % (
+        r["tau"], r["vs_stream"]) in table
+    assert table.count(" — |") == 2  # vegas and stream on their own weights
+    pooled = ts.pooled(rows)
+    assert "| vs same weights, pooled |" in pooled
+    assert "| vegas @int4 | %.2f | %.3f [" % (r["tau"], r["vs_stream"]) in pooled
+    assert pooled.rstrip().endswith("%.3f [%.3f, %.3f] |" % ts.ratio_ci(
+        by["stream", "int4-g32-h8"]["tau_by_sequence"], by["stream", "same"]["tau_by_sequence"]))
+
+
+def test_draft_formats_library_names_and_variants():
+    """A DraftFormat of the library's name makes the library's draft params; a variant's
+    reach a run through the model's drafts (its groups and head as asked), and the bytes
+    a draft step reads follow the formats."""
+    import jax
+
+    from benchmarks import draft_formats as df
+    from tests.tiny import tiny_model
+    from vegas_jax.config import get_config
+    from vegas_jax.execution import ExecConfig
+    from vegas_jax.loading import Model
+    from vegas_jax.quant import draft_params, quantize_params
+
+    tm = tiny_model(scale=0.3)
+    ours, lib = df.draft_params(tm.params, df.LIBRARY["int4"]), quantize_params(tm.params, "int4")
+    assert jax.tree.structure(ours) == jax.tree.structure(lib)
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(lib)))
+    model, name = df.model_for(Model(tm.config, tm.params), "int4-g32-h8")
+    assert name == "int4"
+    got = draft_params(model, name, ExecConfig(backend="xla"))
+    assert got.lm_head.fmt == "int8" and got.layers.wo.fmt == "int4"
+    assert got.layers.wo.scale.shape[-2:] == (64 // 32, 64)  # [L, k / 32, n]
+    with pytest.raises(ValueError, match="unknown draft weights"):
+        df.model_for(model, "int3")
+    smol = get_config("smollm2-135m")
+    b = {w: df.step_bytes(smol, w) for w in ("same", "int8", "int4", "int4-g32", "int4-h8")}
+    assert b["same"] / 4 < b["int4"] < b["int4-g32"] < b["int8"] < b["same"] / 1.9
+    head = 576 * 49152  # SmolLM2's tied head, [576, 49152]
+    assert b["int4-h8"] - b["int4"] == (head + 4 * 49152) - (head // 2 + 2 * 576 // 64 * 49152)
+
+
+def test_clip_search_is_never_worse_than_max_scales():
+    """int4-clip's copy of a weight is, group by group, at least as near the weight as the
+    library's (a = 1 is among the candidates), and nearer in sum on gaussian weights."""
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks import draft_formats as df
+    from pallas_kernels.quant_matmul import dequantize, quantize
+
+    w = jax.random.normal(jax.random.PRNGKey(3), (256, 16))
+    plain = np.asarray(dequantize(*quantize(w, "int4"), "int4"))
+    clip = np.asarray(dequantize(*quantize(df.clip_search(w, 128), "int4"), "int4"))
+    err = lambda a: ((a - np.asarray(w)) ** 2).reshape(2, 128, 16).sum(1)  # noqa: E731
+    assert np.all(err(clip) <= err(plain) * (1 + 1e-5))
+    assert err(clip).sum() < 0.95 * err(plain).sum()
+    assert float(jnp.max(jnp.abs(df.clip_search(w, 128)))) <= float(jnp.max(jnp.abs(w)))
