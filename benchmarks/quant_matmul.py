@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from benchmarks.kernels import timeit  # jitted loop of n calls: seconds a call
 from pallas_kernels.quant_matmul import (FORMATS, default_blocks, dequantize,
                                          group_size, quant_matmul,
                                          quant_matmul_reference, quantize)
@@ -68,17 +69,6 @@ class Run:
         return self.budget_s - (time.time() - self.t0)
 
 
-def timeit(run, *args, calls: int) -> float:
-    """run is jitted and makes `calls` calls inside; seconds a call (median of 3)."""
-    jax.block_until_ready(run(*args))  # compile + warm
-    ts = []
-    for _ in range(3):
-        t = time.perf_counter()
-        jax.block_until_ready(run(*args))
-        ts.append(time.perf_counter() - t)
-    return float(np.median(ts)) / calls
-
-
 def read_ceiling(tiny: bool) -> float:
     """Bytes/s of a fused read-only reduction over 4 GiB of bf16 (1 MiB with --tiny)."""
     x = jax.random.normal(jax.random.PRNGKey(0), ((1 << 20) if tiny else (2 << 30),),
@@ -86,7 +76,7 @@ def read_ceiling(tiny: bool) -> float:
     n = 2 if tiny else 20
     f = jax.jit(lambda x: lax.fori_loop(
         0, n, lambda i, a: a + (x + i.astype(x.dtype)).sum(dtype=jnp.float32), 0.0))
-    bw = x.nbytes / timeit(f, x, calls=n)
+    bw = x.nbytes / timeit(f, x, n=n)
     del x
     return bw
 
@@ -191,7 +181,7 @@ def time_kernel(run: Run, fmt, c, x, quant, n_it, copies, want):
     compile or run; want: the checksum to match (XLA's or the default config's), or None."""
     try:
         f = kernel_loop(fmt, c, n_it, copies, run.tiny)
-        t = timeit(f, x, *quant, calls=n_it * copies)
+        t = timeit(f, x, *quant, n=n_it * copies)
         cs = float(f(x, *quant))
     except Exception as e:  # noqa: BLE001 - a config that does not compile is a result
         return None, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
@@ -221,7 +211,7 @@ class Cell:
 def baselines(run: Run, c: Cell, x):
     """bf16's dot, and XLA's dequantize-then-dot at XLA_ROWS (every M in tiny mode), whose
     checksums the kernel's must match."""
-    t = timeit(unrolled_loop(jnp.dot, c.n_it), x, c.ws, calls=c.n_it * c.copies)
+    t = timeit(unrolled_loop(jnp.dot, c.n_it), x, c.ws, n=c.n_it * c.copies)
     run.results.append(dict(c.base(), variant="bf16", us=t * 1e6,
                             gbps=bytes_read(None, c.m, c.k, c.n) / t / 1e9))
     if not (run.tiny or c.m in XLA_ROWS):
@@ -229,7 +219,7 @@ def baselines(run: Run, c: Cell, x):
     for fmt in FORMATS:
         qs = [(c.quant[fmt][0][i], c.quant[fmt][1][i]) for i in range(c.copies)]
         xla = unrolled_loop(functools.partial(xla_dequant_dot, fmt=fmt), c.n_it)
-        t = timeit(xla, x, qs, calls=c.n_it * c.copies)
+        t = timeit(xla, x, qs, n=c.n_it * c.copies)
         run.sums[c.model, c.name, c.m, fmt] = float(xla(x, qs))
         run.results.append(dict(c.base(), variant=f"xla-{fmt}", us=t * 1e6,
                                 gbps=bytes_read(fmt, c.m, c.k, c.n) / t / 1e9))

@@ -99,6 +99,19 @@ def build_tiny_hf(kind: str, out_dir, seed: int = 0):
     return model
 
 
+@pytest.fixture
+def jax_cache_config_restored():
+    """jax's compilation-cache settings as they were before the test (`decode.main` turns
+    the cache on for its process)."""
+    import jax
+
+    saved = (jax.config.jax_compilation_cache_dir,
+             jax.config.jax_persistent_cache_min_compile_time_secs)
+    yield
+    jax.config.update("jax_compilation_cache_dir", saved[0])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", saved[1])
+
+
 @pytest.fixture(scope="session")
 def tiny_hf(tmp_path_factory):
     """tiny_hf(kind) -> (checkpoint_dir, torch_model), built once per session."""

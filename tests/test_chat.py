@@ -26,15 +26,8 @@ def chat_tokenizer():
 
 
 @pytest.fixture(autouse=True)
-def _keep_jax_cache_config():
-    """`decode.main` turns on the compilation cache: this process's own setting back."""
-    import jax
-
-    saved = (jax.config.jax_compilation_cache_dir,
-             jax.config.jax_persistent_cache_min_compile_time_secs)
-    yield
-    jax.config.update("jax_compilation_cache_dir", saved[0])
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", saved[1])
+def _keep_jax_cache_config(jax_cache_config_restored):
+    """`decode.main` turns on the compilation cache: this process's setting comes back."""
 
 
 @pytest.fixture(scope="module")

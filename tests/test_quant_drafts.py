@@ -11,12 +11,11 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from scipy import stats
 
 import vegas_jax.model as model_mod
 from conftest import SPEC_EOS, SPEC_NEW
 from pallas_kernels import quant_matmul as qm
-from tests.test_speculative import softmax64
+from tests.test_speculative import check_joint_law
 from tests.tiny import BENCH_WORKLOAD, tiny_model
 from vegas_jax import quant
 from vegas_jax.attention import CAUSAL, AttnPlan
@@ -315,32 +314,7 @@ def test_sampled_output_with_int4_drafts_has_target_distribution():
     """test_speculative's law test (top-k 5, gamma 2: the draft's q in its sparse form)
     with int4 drafts: the first two tokens after the prompt's own follow the model's
     exact joint law, and drafts were rejected along the way."""
-    sp, gamma, vocab = SamplingParams(1.0, top_k=5), 2, 100
-    m = tiny_model(vocab=vocab, scale=0.5, seed=3)
-    prompt = list(range(1, 41))
-    res = speculative_generate(m, [prompt] * 3000, 3,
-                               SpecConfig(method="stream", gamma=gamma, sparsity=0.25,
-                                          min_tokens=2, draft_weights="int4"), sp, seed=1)
-    toks = np.array([t[:3] for t in res.tokens])
-    t0 = np.bincount(toks[:, 0], minlength=vocab).argmax()
-    rows = toks[toks[:, 0] == t0]
-    t = len(prompt) + 2
-    cache = init_cache(m.config, vocab, 128, jnp.float32)
-    ctx = jnp.array([prompt + [int(t0), a] for a in range(vocab)])
-    lg, _, _ = jax.jit(forward, static_argnums=(1, 2))(
-        m.params, m.config, XLA, ctx, jnp.broadcast_to(jnp.arange(t), (vocab, t)), cache, CAUSAL)
-    p1 = softmax64(lg[0, -2], sp)
-    joint = np.stack([p1[a] * softmax64(lg[a, -1], sp) for a in range(vocab)])
-    observed = np.bincount(rows[:, 1] * vocab + rows[:, 2], minlength=vocab ** 2).astype(float)
-    expected = joint.reshape(-1) / joint.sum() * len(rows)
-    assert observed[expected == 0].sum() == 0
-    keep = expected > 5
-    obs, exp = observed[keep], expected[keep]
-    if expected[~keep].sum() > 0:
-        obs = np.append(obs, observed[~keep].sum())
-        exp = np.append(exp, expected[~keep].sum())
-    assert stats.chisquare(obs, exp).pvalue > 1e-4
-    assert 1.0 < res.stats["tau"] < gamma + 1
+    check_joint_law(SamplingParams(1.0, top_k=5), 2, draft_weights="int4")
 
 
 # ---------------------------------------------------------------------------------------

@@ -664,6 +664,13 @@ def test_sampled_output_has_target_distribution(sp, gamma):
     prompt's own must follow the model's exact joint law (of the processed distribution:
     with top-k the draft's q takes its sparse form). At gamma 1 the second token is the
     round's bonus token whenever the draft was accepted, so the bonus is tested too."""
+    check_joint_law(sp, gamma)
+
+
+def check_joint_law(sp: SamplingParams, gamma: int, draft_weights: str = "same"):
+    """3000 rows of one 40-token prompt (vocab 100) decoded by stream with `draft_weights`:
+    the two tokens after the first follow the model's exact joint law (chi-square), and
+    drafts were rejected along the way."""
     vocab = 100
     m = tiny_model(vocab=vocab, scale=0.5, seed=3)
     prompt = list(range(1, 41))
@@ -671,7 +678,8 @@ def test_sampled_output_has_target_distribution(sp, gamma):
     # stream reads 16 sink + ceil(0.25 n) window entries: most of the prompt, not all
     res = speculative_generate(m, [prompt] * n_rows, 3,
                                SpecConfig(method="stream", gamma=gamma, sparsity=0.25,
-                                          min_tokens=2), sp, seed=1)
+                                          min_tokens=2, draft_weights=draft_weights),
+                               sp, seed=1)
     toks = np.array([t[:3] for t in res.tokens])
     # exact law of (t1, t2) given the prompt and t0, for the most frequent t0
     t0 = np.bincount(toks[:, 0], minlength=vocab).argmax()
