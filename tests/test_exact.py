@@ -157,9 +157,9 @@ def prompts():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["xla", "pallas"])
-def test_exact_vanilla_alone_equals_the_batch(tiny_bf16, prompts, backend):
-    xc = ExecConfig(backend=backend, exact=True)
+def test_exact_vanilla_alone_equals_the_batch_on_the_xla_path(tiny_bf16, prompts):
+    """(The kernels' path: the long prompts' test below, which also batches and refills.)"""
+    xc = ExecConfig(backend="xla", exact=True)
     batch = generate(tiny_bf16, prompts, 16, exec_config=xc).tokens
     assert [generate(tiny_bf16, [p], 16, exec_config=xc).tokens[0] for p in prompts] == batch
 
@@ -208,7 +208,8 @@ def test_full_size_forward_verify_rows_equal_decode_steps():
     from vegas_jax.loading import load_model
 
     model = load_model("smollm2-135m", random_init=True, dtype=BF16)
-    out = whole_forward(model, dataclasses.replace(model.exec_config, exact=True), 3, 256, 2)
+    out = whole_forward(model, dataclasses.replace(model.exec_config, exact=True), 3, 256, 2,
+                        uncaptured=False)
     assert out["verify_vs_steps"][:2] == (9, 9)
     assert out["alone_vs_batch"][:2] == (3, 3)
     assert out["alone_short_cache_vs_batch"][:2] == (3, 3)

@@ -347,43 +347,15 @@ def test_draft_weights_benchmark_runs(tmp_path, capsys, monkeypatch):
     cfg = tiny_config("llama", vocab=256, layers=2)
     monkeypatch.setitem(config.REGISTRY, cfg.name, cfg)
     monkeypatch.setenv("OUT", str(tmp_path))
-    rc = draft_weights.main(["--model", cfg.name, "--shapes", "1x200,2x300", "--gamma", "2",
+    rc = draft_weights.main(["--model", cfg.name, "--shapes", "2x300", "--gamma", "2",
                              "--backend", "xla", "--reps", "1", "--ceiling-mib", "16",
                              "--min-tokens", "8"])
     assert rc == 0
     assert "| B x context | weights | draft step ms |" in capsys.readouterr().out
-    out = json.loads((tmp_path / "draft_weights_1x200_2x300.json").read_text())
+    out = json.loads((tmp_path / "draft_weights_2x300.json").read_text())
     assert [(r["batch"], r["draft_weights"]) for r in out["rows"]] == [
-        (b, f) for b in (1, 2) for f in ("same", "int8", "int4")]
+        (2, f) for f in ("same", "int8", "int4")]
     assert set(out["checks"]) == {"int8", "int4"} and max(out["checks"].values()) < 1e-3
     same, int8, int4 = out["rows"][:3]
     assert same["draft_bytes"] > int8["draft_bytes"] > int4["draft_bytes"]
     assert all(r["round_ms"] > 0 and r["draft_floor_ms"] > 0 for r in out["rows"])
-
-
-# ---------------------------------------------------------------------------------------
-# Real weights (a GGUF checkpoint, made once by `load_model`'s cache)
-# ---------------------------------------------------------------------------------------
-
-@pytest.mark.slow
-def test_real_weights_quantized_drafts_equal_vanilla_and_are_accepted(monkeypatch):
-    """SmolLM2-135M from its GGUF (fp32, CPU; hidden 576: int4 groups of 64): greedy
-    output with int8 and int4 drafts is vanilla's, their drafts are mostly accepted, and
-    a second run reuses the copy `load_model`'s model made."""
-    from vegas_jax.loading import load_model
-    from vegas_jax.workloads import long_prompts
-
-    model = load_model(dtype=jnp.float32)
-    prompts = long_prompts(model.tokenizer, [20, 250], "prose")
-    ref = generate(model, prompts, 32)
-    made = []
-    real = quant.quantize_params
-    monkeypatch.setattr(quant, "quantize_params", lambda p, f: made.append(f) or real(p, f))
-    taus = {}
-    for fmt in ("same", "int8", "int4", "int4"):
-        res = speculative_generate(model, prompts, 32, SpecConfig(
-            method="vegas", gamma=4, sparsity=0.15, min_tokens=70, draft_weights=fmt))
-        assert res.tokens == ref.tokens, fmt
-        taus[fmt] = res.stats["tau"]
-    assert made == ["int8", "int4"]  # once a format
-    assert taus["int4"] > 2 and taus["int8"] > 0.9 * taus["same"], taus

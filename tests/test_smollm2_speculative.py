@@ -1,6 +1,7 @@
 """Lossless on real weights: SmolLM2-135M (fp32, CPU), prompts of real text of about 66,
 300 and 550 tokens in one batch: greedy speculative output equals vanilla greedy token
-for token, over many rounds with partial acceptance.
+for token, over many rounds with partial acceptance, with the model's own draft weights
+and with int8 and int4 ones.
 
 At sparsity 0.15 and a floor of 70 tokens: the 66-token prompt starts below the floor
 (every draft selects its whole context) and grows past it; the ~300-token one sits on
@@ -29,18 +30,48 @@ def setup():
     return model, prompts, generate(model, prompts, NEW)
 
 
+@pytest.fixture(scope="module")
+def runs(setup):
+    """run(method, draft_weights) -> the result of that speculative run, each run once."""
+    model, prompts, _ = setup
+    done = {}
+
+    def run(method, fmt="same"):
+        if (method, fmt) not in done:
+            done[method, fmt] = speculative_generate(model, prompts, NEW, SpecConfig(
+                method=method, gamma=5, sparsity=SPARSITY, min_tokens=MIN_TOKENS,
+                draft_weights=fmt))
+        return done[method, fmt]
+    return run
+
+
 # vegas's selection from the verify, quest's pages from each draft's query; stream (a
 # fixed window) and auto (vegas's rounds, gammas and plain steps chosen as it goes): the
 # tiny-model tests
 @pytest.mark.parametrize("method", ["vegas", "quest"])
-def test_greedy_matches_vanilla_on_real_weights(setup, method):
-    model, prompts, ref = setup
+def test_greedy_matches_vanilla_on_real_weights(setup, runs, method):
+    _, _, ref = setup
     assert all(len(t) == NEW for t in ref.tokens)  # no early EOS: the runs are long
-    res = speculative_generate(model, prompts, NEW,
-                               SpecConfig(method=method, gamma=5, sparsity=SPARSITY,
-                                          min_tokens=MIN_TOKENS))
+    res = runs(method)
     assert res.tokens == ref.tokens
     st = res.stats
     # partial acceptance happened: neither every draft kept nor none
     assert 1.0 < st["tau"] < 6.0, st["tau"]
     assert st["rounds"] >= NEW // 6
+
+
+def test_quantized_drafts_equal_vanilla_and_are_accepted(setup, runs, monkeypatch):
+    """int8 and int4 drafts (hidden 576: int4 groups of 64) emit vanilla's tokens, their
+    drafts mostly accepted; the copy `load_model`'s model made is made once a format."""
+    from vegas_jax import quant
+
+    model, _, ref = setup
+    made = []
+    real = quant.quantize_params
+    monkeypatch.setattr(quant, "quantize_params", lambda p, f: made.append(f) or real(p, f))
+    taus = {fmt: runs("vegas", fmt).stats["tau"] for fmt in ("same", "int8", "int4")}
+    for fmt in ("int8", "int4"):
+        assert runs("vegas", fmt).tokens == ref.tokens, fmt
+    quant.draft_params(model, "int4", model.exec_config)  # what the next int4 run reads
+    assert made == ["int8", "int4"]
+    assert taus["int4"] > 2 and taus["int8"] > 0.9 * taus["same"], taus
