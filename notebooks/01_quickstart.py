@@ -168,7 +168,9 @@ print("\n" + vegas.text[0])
 #
 # `auto`, the default, drafts like `vegas` but chooses gamma, or plain decoding, for each
 # device call from the speed and acceptance it measures while generating (its first
-# calls measure each choice); `vanilla` is plain decoding. A `Method` object works
+# calls measure each choice); where no round can beat plain steps (a draft step reads
+# nearly what a plain step reads, as at short contexts on a CPU) it decodes plainly
+# throughout, and `stats["auto"]["rounds_allowed"]` says so. `vanilla` is plain decoding. A `Method` object works
 # wherever a name does (e.g. `SpecConfig(method=Stream(sink=4))`), and so do the study
 # variants in `benchmarks/methods.py`.
 #
@@ -187,7 +189,8 @@ for m in methods[1:]:
 for m in methods:
     print(f"{m:10} tau {runs[m]['tau']:.2f}   {runs[m]['decode_tokens_per_s']:6.1f} tokens/s")
 auto = runs["auto"]["auto"]
-print(f"auto's device calls, by what each ran: {auto['calls']}")
+print(f"auto: rounds allowed {auto['rounds_allowed']}; device calls, by what each ran: "
+      f"{auto['calls']}")
 
 # %%
 import matplotlib.pyplot as plt

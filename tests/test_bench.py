@@ -127,6 +127,7 @@ jax.monitoring.register_event_duration_secs_listener(
         _LISTEN and event.endswith("backend_compile_duration")) else None)
 
 
+@pytest.mark.slow
 def test_auto_is_timed_with_its_candidates_compiled(prompts_json, tiny, capsys, monkeypatch):
     """auto's timed run compiles nothing: a first generation of the same shapes built every
     candidate (as a fixed method's first call compiles its round, untimed), so the timed

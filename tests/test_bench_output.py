@@ -44,6 +44,7 @@ def test_table_shows_n_a_not_a_negative_time():
     assert not any(c.startswith("-") for c in cells)
 
 
+@pytest.mark.slow
 def test_legend_printed_under_the_table(capsys):
     from tests.tiny import BENCH_WORKLOAD
 

@@ -167,10 +167,8 @@ def test_exact_vanilla_alone_equals_the_batch_on_the_xla_path(tiny_bf16, prompts
 SLOW = pytest.mark.slow
 
 
-@pytest.mark.parametrize("method", ["vegas", pytest.param("vegas-paper", marks=SLOW),
-                                    pytest.param("last", marks=SLOW), "stream",
-                                    pytest.param("quest", marks=SLOW),
-                                    pytest.param("auto", marks=SLOW)])
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["vegas", "vegas-paper", "last", "stream", "quest", "auto"])
 def test_exact_greedy_speculative_equals_vanilla_in_bf16(tiny_bf16, prompts, method):
     xc = ExecConfig(backend="pallas", exact=True)
     ref = generate(tiny_bf16, prompts, 12, exec_config=xc)

@@ -273,8 +273,9 @@ def _spec(method, fmt):
 
 # int4 (the coarser copy: more rejections) for every method, int8 for vegas in the fast
 # tier and for the rest in the slow one
-@pytest.mark.parametrize("fmt,method", [("int4", m) for m in METHODS] + [("int8", "vegas")] + [
-    pytest.param("int8", m, marks=pytest.mark.slow) for m in METHODS if m != "vegas"])
+@pytest.mark.parametrize("fmt,method", [("int4", "vegas"), ("int4", "quest"), ("int8", "vegas")] + [
+    pytest.param(f, m, marks=pytest.mark.slow) for f in ("int4", "int8") for m in METHODS
+    if (f, m) not in {("int4", "vegas"), ("int4", "quest"), ("int8", "vegas")}])
 def test_greedy_with_quantized_drafts_equals_vanilla(setup, fmt, method):
     model, prompts, vanilla = setup
     res = speculative_generate(model, prompts, SPEC_NEW, _spec(method, fmt), exec_config=XLA)
@@ -310,6 +311,7 @@ def test_quantized_drafts_are_drafts_of_their_own(setup):
 # Lossless: the sampled law
 # ---------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_sampled_output_with_int4_drafts_has_target_distribution():
     """test_speculative's law test (top-k 5, gamma 2: the draft's q in its sparse form)
     with int4 drafts: the first two tokens after the prompt's own follow the model's
@@ -321,6 +323,7 @@ def test_sampled_output_with_int4_drafts_has_target_distribution():
 # The bench's sweep
 # ---------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_bench_sweeps_draft_weights(capsys):
     from vegas_jax import bench
 

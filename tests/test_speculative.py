@@ -165,9 +165,9 @@ def test_auto_equals_vanilla_and_reports_its_choices(setup, run):
     auto = res.stats["auto"]
     assert auto["calls"]["gamma 1"] >= 1
     assert set(auto["tokens_per_s_per_seq"]) <= {"vanilla", "gamma 1", "gamma 3"}
-    # the XLA path: the model's own weights only, unless quantized formats are named
+    # the model's own weights only, unless quantized formats are named
     assert auto["formats"] == ["same"] and set(auto["formats_dropped"]) == QUANTIZED
-    assert all("XLA path" in why for why in auto["formats_dropped"].values())
+    assert all("Auto(formats=...)" in why for why in auto["formats_dropped"].values())
     assert auto["by_config"]["gamma 1"]["tau"] == pytest.approx(res.stats["tau"])
     # 24 tokens at gamma 1 (tau <= 2): fewer calls left at the first read than exploring
     # the other candidates takes; they are not built, every call is the configured gamma
@@ -290,6 +290,7 @@ def test_auto_switching_gammas_and_plain_steps_stays_lossless(setup, run, monkey
 AUTO_FORMATS = Auto(gammas=(1, 3), formats=FORMATS)  # named: quantized drafts on XLA too
 
 
+@pytest.mark.slow
 def test_auto_switching_formats_stays_lossless(setup, monkeypatch):
     """Every (gamma, draft format) in turn, plain steps among them: vanilla's tokens
     (greedy, fp32, the ragged batch whose prompt 1 ends mid-round), and stats that add up:
@@ -325,6 +326,7 @@ def test_auto_switching_formats_stays_lossless(setup, monkeypatch):
     assert lines[2] == "auto: draft weights same, int8, int4"
 
 
+@pytest.mark.slow
 def test_sampled_auto_round_in_a_format_is_that_formats_round():
     """Sampled: auto's round of gamma 1 in int4 (its only candidate; too few tokens to
     build plain steps) draws exactly what vegas's round with int4 drafts draws, seed for
@@ -367,10 +369,10 @@ def test_auto_drops_a_format_whose_copy_does_not_fit(setup, monkeypatch):
     assert auto["build"] == "skipped" and made == []
 
 
-def test_auto_formats_default_to_those_the_model_and_path_can_draft_with():
-    """Unnamed: every format through the Pallas kernels, the model's own alone on the XLA
-    path or for a mixture of experts (each left out with why); a format named, or the
-    start, that the model cannot draft with fails in one line."""
+def test_auto_formats_default_to_the_models_own_and_the_start():
+    """Unnamed: the model's own weights and the format auto starts in, on either path (the
+    others left out with why); named: those; a candidate the model cannot draft with fails
+    in one line."""
     from types import SimpleNamespace
 
     from vegas_jax.config import get_config
@@ -379,13 +381,14 @@ def test_auto_formats_default_to_those_the_model_and_path_can_draft_with():
     dense = SimpleNamespace(config=get_config("smollm2-135m"))
     moe = SimpleNamespace(config=get_config("qwen3-30b-a3b"))
     auto = SpecConfig(method="auto")
-    assert candidate_formats(auto, dense, PALLAS)[0].method.formats == DRAFT_WEIGHTS
-    spec, dropped = candidate_formats(auto, dense, XLA)
-    assert spec.method.formats == ("same",) and set(dropped) == QUANTIZED
-    spec, dropped = candidate_formats(auto, moe, PALLAS)
-    assert spec.method.formats == ("same",) and "mixture of experts" in dropped["int4"]
+    for model, xc in ((dense, PALLAS), (dense, XLA), (moe, PALLAS)):
+        spec, dropped = candidate_formats(auto, model, xc)
+        assert spec.method.formats == ("same",) and set(dropped) == QUANTIZED
     start_int4 = dataclasses.replace(auto, draft_weights="int4")
-    assert candidate_formats(start_int4, dense, XLA)[0].method.formats == ("same", "int4")
+    spec, dropped = candidate_formats(start_int4, dense, XLA)
+    assert spec.method.formats == ("same", "int4") and set(dropped) == {"int8"}
+    every = SpecConfig(method=Auto(formats=DRAFT_WEIGHTS))
+    assert candidate_formats(every, dense, PALLAS) == (every, {})
     for spec in (start_int4, SpecConfig(method=Auto(formats=("int8",)))):
         with pytest.raises(ValueError, match="mixture of experts") as e:
             candidate_formats(spec, moe, PALLAS)

@@ -75,6 +75,7 @@ def test_bad_input(flags, msg, capsys):
     assert msg in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_cli_tiny_model(tmp_path, capsys):
     """The tuner end to end on the bench tests' workload (`BENCH_WORKLOAD`: the programs
     their runs compiled are in the session's compilation cache), two sparsities at one

@@ -16,30 +16,22 @@ from vegas_jax.prefill import available_bytes
 from vegas_jax.prompts import check_memory, plan_cache_len, token_limits
 from vegas_jax.quant import DRAFT_WEIGHTS, check_model, draft_params, quantized_bytes
 
-# why a quantized format is left out on the XLA path unless named (`candidate_formats`)
-XLA_DRAFTS = ("the XLA path dequantizes before each dot (`quant.linear`): that, not the "
-              "bytes, sets a quantized draft's cost there; name it in Auto(formats=...) "
-              "to try it")
+# why a quantized format is left out of auto's candidates unless asked for (the default's
+# reason: RESULTS.md, "Quantized draft weights and exact long-context prefill on the GPU")
+UNNAMED = ("quantized drafts join auto's candidates where Auto(formats=...) names them or "
+           "auto starts in one (draft_weights, --draft-weights)")
 
 
 def candidate_formats(spec, model, xc) -> tuple:
     """(auto's spec with its candidate draft formats resolved, {format: why} of those left
-    out): the formats named in `Auto.formats`, else the model's own weights and, through
-    the Pallas kernels, every format the model can draft with (`quant.check_model`: dense,
-    one device). A format named, or the start, that the model cannot draft with raises."""
-    named, start, formats, refused = spec.method.formats, spec.draft_weights, [], {}
-    for f in named or DRAFT_WEIGHTS:
-        try:
-            check_model(model.config, xc, f)
-        except ValueError as e:
-            if named or f == start:
-                raise
-            refused[f] = str(e)
-            continue
-        if named or f in (SAME, start) or xc.pallas:
-            formats.append(f)
-        else:
-            refused[f] = XLA_DRAFTS
+    out): the formats named in `Auto.formats`, else the model's own weights and the format
+    auto starts in (`SpecConfig.draft_weights`). A candidate the model cannot draft with
+    (`quant.check_model`: dense, one device) fails in one line."""
+    named, start = spec.method.formats, spec.draft_weights
+    formats = named or tuple(f for f in DRAFT_WEIGHTS if f in (SAME, start))
+    for f in {*formats, start}:
+        check_model(model.config, xc, f)
+    refused = {} if named else {f: UNNAMED for f in DRAFT_WEIGHTS if f not in formats}
     return dataclasses.replace(spec, method=dataclasses.replace(
         spec.method, formats=tuple(formats))), refused
 

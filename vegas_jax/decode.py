@@ -44,7 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fraction of the KV cache each draft step reads, in (0, 1]")
     p.add_argument("--draft-weights", default=d.draft_weights, choices=list(DRAFT_WEIGHTS),
                    help="weights the drafts read: the model's, or an int8 / int4 copy "
-                   "(output unchanged: the verify uses the model's)")
+                   "(auto: starts there, the model's its other choice); the verify "
+                   "reads the model's, so the output is unchanged")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object (tokens, text, stats) instead of streaming")
     return p

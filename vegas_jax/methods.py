@@ -332,8 +332,8 @@ class Auto(Method):
     (`auto.AutoController`): drafts read what `base` selects; the sparsity stays as
     configured. gammas: the candidates; () = the configured gamma and gamma +- 2.
     formats: the draft weights to choose among (`quant.DRAFT_WEIGHTS`), with the
-    configured `SpecConfig.draft_weights` (where auto starts); () = every format the
-    model can draft with (`speculative_generate` decides: dense models on one device)."""
+    configured `SpecConfig.draft_weights` (where auto starts); () = the model's own
+    weights and that one (`auto_formats.candidate_formats`)."""
 
     base: Method = VerifyGuided("pair", decay=0.5)  # `vegas`
     gammas: tuple[int, ...] = ()
