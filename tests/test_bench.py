@@ -79,6 +79,7 @@ def test_full_batch_rate_counts_only_whole_batch_calls():
                     "<= 0 active -")
 
 
+@pytest.mark.slow
 def test_sparsities_run_each_method_at_each_budget(prompts_json, tiny, capsys):
     """Each speculative method at each budget; only the methods asked for have their
     round split into phases (here none)."""

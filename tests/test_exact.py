@@ -213,7 +213,8 @@ def test_full_size_forward_verify_rows_equal_decode_steps():
     assert out["alone_short_cache_vs_batch"][:2] == (3, 3)
 
 
-@pytest.mark.parametrize("g,windowed,unmasked", [(3, False, False), (3, False, True),
+@pytest.mark.parametrize("g,windowed,unmasked", [(3, False, False),
+                                                 pytest.param(3, False, True, marks=SLOW),
                                                  pytest.param(4, True, False, marks=SLOW)])
 def test_invariant_prefill_rows_alone_batched_and_chunked(g, windowed, unmasked):
     """The prompt steps' plan (`INVARIANT_PREFILL`; and with its unmasked first loop): a
@@ -286,6 +287,7 @@ def _long_prompts(lengths, seed=5):
     return [rng.integers(0, 100, size=k).tolist() for k in lengths]
 
 
+@pytest.mark.slow
 def test_exact_prefill_in_chunks_equals_one_call(tiny_bf16, monkeypatch):
     """Prompt steps of 64 tokens (a budget of 64 query tokens a step) and one call give
     the same tokens: a prompt row does not depend on the chunking."""

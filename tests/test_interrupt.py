@@ -58,7 +58,8 @@ def test_ctrl_c_while_importing_loading_or_compiling(tmp_path, moment):
 
 
 @pytest.mark.parametrize("method, wait", [
-    ("vegas", 0.0), pytest.param("vegas", 1.0, marks=pytest.mark.slow), ("auto", 1.0)])
+    ("vegas", 0.0), pytest.param("vegas", 1.0, marks=pytest.mark.slow),
+    pytest.param("auto", 1.0, marks=pytest.mark.slow)])
 def test_ctrl_c_while_decoding(tmp_path, method, wait):
     """After the first streamed bytes: decoding, compiling its next calls or (auto, a
     generation long enough to try its other candidates) building them in a thread."""

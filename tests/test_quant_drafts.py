@@ -284,7 +284,7 @@ def test_greedy_with_quantized_drafts_equals_vanilla(setup, fmt, method):
 
 
 @pytest.mark.parametrize("fmt,xc", [
-    ("int4", PALLAS),
+    pytest.param("int4", PALLAS, marks=pytest.mark.slow),
     pytest.param("int8", ExecConfig(backend="xla", layers="unrolled"),
                  marks=pytest.mark.slow)], ids=["pallas-int4", "unrolled-int8"])
 def test_greedy_with_quantized_drafts_on_other_paths(setup, fmt, xc):
