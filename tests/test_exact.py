@@ -167,8 +167,11 @@ def test_exact_vanilla_alone_equals_the_batch_on_the_xla_path(tiny_bf16, prompts
 SLOW = pytest.mark.slow
 
 
+# one method a capture mode (drafts only propose: the output rests on the verify rows):
+# vegas (its pair of rows; vegas-paper's too), stream (none; quest's too) and auto (vegas's
+# rounds at several gammas); `last` (every row) is the next test's
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["vegas", "vegas-paper", "last", "stream", "quest", "auto"])
+@pytest.mark.parametrize("method", ["vegas", "stream", "auto"])
 def test_exact_greedy_speculative_equals_vanilla_in_bf16(tiny_bf16, prompts, method):
     xc = ExecConfig(backend="pallas", exact=True)
     ref = generate(tiny_bf16, prompts, 12, exec_config=xc)
