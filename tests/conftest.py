@@ -23,6 +23,17 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 import pytest  # noqa: E402
 
 
+# The files that take longest, started first: the two workers (`--dist loadfile`, which
+# hands out files in collection order) then end together, the short files filling in.
+FIRST = ("test_notebooks.py", "test_exact.py", "test_auto_cpu.py", "test_tau_study.py",
+         "test_smollm2_speculative.py", "test_quant_drafts.py", "test_speculative.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(FIRST)))  # stable
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_code():
     """Drop JAX's compiled executables after each test module. Each one XLA compiles for
