@@ -51,19 +51,6 @@ def log_row(**row):
     print(json.dumps(row), flush=True)
 
 
-def timed(fn, *args, reps: int = 5) -> float:
-    """Median seconds of fn(*args) over reps synchronised calls after one warm-up."""
-    import jax
-
-    jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts.append(time.perf_counter() - t)
-    return float(np.median(ts))
-
-
 def same_bits(a, b) -> bool:
     a, b = np.asarray(a), np.asarray(b)
     return a.shape == b.shape and a.dtype == b.dtype and a.tobytes() == b.tobytes()
@@ -111,6 +98,7 @@ def quick_attention(smoke: bool, interpret: bool, sweep: list, impls: bool = Tru
     import jax
     import jax.numpy as jnp
 
+    from benchmarks.matmul_tiles import timed
     from pallas_kernels.verify_attention import (
         INVARIANT, INVARIANT_PREFILL, cudnn_attention, verify_attention,
     )
@@ -170,6 +158,7 @@ def quick_matmul(smoke: bool, interpret: bool, model: str, tiles: list):
     import jax
     import jax.numpy as jnp
 
+    from benchmarks.matmul_tiles import timed
     from pallas_kernels.matmul import PREFILL_BLOCKS, MatmulBlocks, matmul
     from vegas_jax.config import get_config
 
@@ -187,7 +176,7 @@ def quick_matmul(smoke: bool, interpret: bool, model: str, tiles: list):
         w = jax.random.normal(key, (k, n), jnp.bfloat16) * 0.05
         flops = 2.0 * m * k * n
         if not interpret:
-            sec = timed(jax.jit(lambda x, w: x @ w), x, w)
+            sec = timed(jax.jit(lambda x, w: x @ w), x, w, reps=5)
             log_row(kind="mm", shape=name, m=m, k=k, n=n, tile="cuBLAS", ms=sec * 1e3,
                     tflops=flops / sec / 1e12)
         for tile in [PREFILL_BLOCKS] + [MatmulBlocks(**o) for o in tiles]:
