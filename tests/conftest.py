@@ -11,13 +11,15 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # the tests start (never the user's ~/.cache).
 import tempfile  # noqa: E402
 
-os.environ.setdefault("VEGAS_JAX_COMPILE_CACHE", tempfile.mkdtemp(prefix="vegas-xla-"))
+if "VEGAS_JAX_COMPILE_CACHE" not in os.environ:  # the workers inherit the session's
+    os.environ["VEGAS_JAX_COMPILE_CACHE"] = tempfile.mkdtemp(prefix="vegas-xla-")
 # JAX's own persistent cache for every test process (this one, the xdist workers, the
 # subprocesses and notebook kernels they start: they inherit the environment): a program a
 # module compiled is loaded, not compiled again, by the next module that asks for it
 # (`_release_compiled_code` drops the in-memory ones after each module). Its own directory,
 # apart from the commands' cache above, which test_cli checks.
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="vegas-jax-tests-"))
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="vegas-jax-tests-")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 
 import pytest  # noqa: E402
