@@ -65,7 +65,7 @@ def test_one_cell_on_a_tiny_model(monkeypatch):
     monkeypatch.setattr(ts, "prompts_for", lambda tok, kind, ctx, n: [
         rng.integers(0, 100, size=ctx).tolist() for _ in range(n)])
     methods = ["vegas", "vegas-all", "vegas-accepted", "stream"]
-    rows = ts.run_cell(m, "prose", 300, 0.07, 3, _args(seqs=3, new_tokens=24, batch=None,
+    rows = ts.run_cell(m, "prose", 300, 0.07, 3, _args(seqs=3, new_tokens=12, batch=None,
                                                         min_tokens=8, methods=methods))
     by = {r["method"]: r for r in rows}
     assert list(by) == methods
