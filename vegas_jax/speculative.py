@@ -297,8 +297,9 @@ def speculative_generate(
     "auto" decodes plainly where no round can pay, else chooses gamma and the drafts'
     weights (`Auto.formats`), or plain steps, as it goes (`auto_policy`: its settings).
     `max_batch`: at most this many sequences at once; each finished one's slot is
-    refilled with the next prompt's prefill (results stay in prompt order). `max_new_tokens`: one limit, or one per prompt. `exec_config`: how to
-    run (default: the model's)."""
+    refilled with the next prompt's prefill (results stay in prompt order).
+    `max_new_tokens`: one limit, or one per prompt. `exec_config`: how to run (default:
+    the model's)."""
     if not isinstance(spec, SpecConfig):
         raise TypeError("spec must be a SpecConfig")
     if not spec.method.speculative:
