@@ -271,11 +271,11 @@ def _spec(method, fmt):
                       draft_weights=fmt)
 
 
-# int4 (the coarser copy: more rejections) for every method, int8 for vegas in the fast
-# tier and for the rest in the slow one
+# int4 (the coarser copy: more rejections) for every method, int8 for vegas (a format
+# changes the draft's matmuls alone, which every method shares)
 @pytest.mark.parametrize("fmt,method", [("int4", "vegas"), ("int4", "quest"), ("int8", "vegas")] + [
-    pytest.param(f, m, marks=pytest.mark.slow) for f in ("int4", "int8") for m in METHODS
-    if (f, m) not in {("int4", "vegas"), ("int4", "quest"), ("int8", "vegas")}])
+    pytest.param("int4", m, marks=pytest.mark.slow) for m in METHODS
+    if m not in ("vegas", "quest")])
 def test_greedy_with_quantized_drafts_equals_vanilla(setup, fmt, method):
     model, prompts, vanilla = setup
     res = speculative_generate(model, prompts, SPEC_NEW, _spec(method, fmt), exec_config=XLA)

@@ -45,14 +45,12 @@ def runs(setup):
     return run
 
 
-# vegas's selection from the verify, quest's pages from each draft's query; stream (a
-# fixed window) and auto (vegas's rounds, gammas and plain steps chosen as it goes): the
-# tiny-model tests
-@pytest.mark.parametrize("method", ["vegas", "quest"])
-def test_greedy_matches_vanilla_on_real_weights(setup, runs, method):
+# vegas's selection from the verify; the other methods' selections: the tiny models'
+# tests (a draft only proposes, the verify rows decide, whatever the weights)
+def test_greedy_matches_vanilla_on_real_weights(setup, runs):
     _, _, ref = setup
     assert all(len(t) == NEW for t in ref.tokens)  # no early EOS: the runs are long
-    res = runs(method)
+    res = runs("vegas")
     assert res.tokens == ref.tokens
     st = res.stats
     # partial acceptance happened: neither every draft kept nor none
