@@ -25,10 +25,13 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 import pytest  # noqa: E402
 
 
-# The files that take longest, started first: the two workers (`--dist loadfile`, which
-# hands out files in collection order) then end together, the short files filling in.
-FIRST = ("test_notebooks.py", "test_exact.py", "test_auto_cpu.py", "test_tau_study.py",
-         "test_smollm2_speculative.py", "test_quant_drafts.py", "test_speculative.py")
+# The files that take longest, longest first: the two workers (`--dist loadfile
+# --no-loadscope-reorder` hands out files in this order) then end together, the short
+# files filling in. The notebooks' test runs three kernels: both cores while it lasts.
+FIRST = ("test_notebooks.py", "test_exact.py", "test_speculative.py", "test_quant_drafts.py",
+         "test_smollm2_speculative.py", "test_sparse_attention.py", "test_auto_cpu.py",
+         "test_quant_matmul.py", "test_tau_study.py", "test_verify_attention.py",
+         "test_cli.py", "test_kernels_bench.py", "test_generate.py", "test_gpt_oss.py")
 
 
 def pytest_collection_modifyitems(items):

@@ -142,8 +142,8 @@ def test_pooled_table_puts_every_kind_together():
 def test_draft_weights_axis_on_a_tiny_model(monkeypatch):
     """Every method runs with every draft format on the same greedy sequences; quantized
     rows get their ratio to the same method on the model's own weights, per cell and
-    pooled; a study variant (here int4 groups of 32, the head in int8) runs as the
-    library's formats do."""
+    pooled. The format here is a study variant (int4 groups of 32, the head in int8); a
+    library format takes the same path (`test_draft_formats_library_names_and_variants`)."""
     from vegas_jax.loading import Model
     from tests.tiny import tiny_model
 
@@ -152,7 +152,7 @@ def test_draft_weights_axis_on_a_tiny_model(monkeypatch):
     rng = np.random.default_rng(2)
     monkeypatch.setattr(ts, "prompts_for", lambda tok, kind, ctx, n: [
         rng.integers(0, 100, size=ctx).tolist() for _ in range(n)])
-    weights = ["same", "int4", "int4-g32-h8"]  # int8: as int4 through the study
+    weights = ["same", "int4-g32-h8"]  # the library's formats: as the variant, by name
     args = _args(seqs=3, new_tokens=16, batch=None, min_tokens=8, methods=["vegas", "stream"],
                  draft_weights=weights)
     rows = ts.run_cell(m, "prose", 200, 0.07, 3, args)
@@ -161,17 +161,17 @@ def test_draft_weights_axis_on_a_tiny_model(monkeypatch):
     assert all(r["equal_to_first_method"] == 3 for r in rows)  # greedy: the same tokens
     by = {(r["method"], r["draft_weights"]): r for r in rows}
     assert "vs_same" not in by["vegas", "same"]
-    r = by["vegas", "int4"]
+    r = by["vegas", "int4-g32-h8"]
     assert r["vs_same"] == pytest.approx(r["tau"] / by["vegas", "same"]["tau"])
     assert r["vs_stream"] == pytest.approx(r["tau"] / by["stream", "same"]["tau"])
     table = ts.table(rows)
     assert "vs same weights (95 % CI) |" in table
-    assert "| prose | 200 | 0.07 | 3 | vegas @int4 | %.3f | %.3f [" % (
+    assert "| prose | 200 | 0.07 | 3 | vegas @int4-g32-h8 | %.3f | %.3f [" % (
         r["tau"], r["vs_stream"]) in table
     assert table.count(" — |") == 2  # vegas and stream on their own weights
     pooled = ts.pooled(rows)
     assert "| vs same weights, pooled |" in pooled
-    assert "| vegas @int4 | %.2f | %.3f [" % (r["tau"], r["vs_stream"]) in pooled
+    assert "| vegas @int4-g32-h8 | %.2f | %.3f [" % (r["tau"], r["vs_stream"]) in pooled
     assert pooled.rstrip().endswith("%.3f [%.3f, %.3f] |" % ts.ratio_ci(
         by["stream", "int4-g32-h8"]["tau_by_sequence"], by["stream", "same"]["tau_by_sequence"]))
 
