@@ -14,45 +14,39 @@ import tempfile  # noqa: E402
 if "VEGAS_JAX_COMPILE_CACHE" not in os.environ:  # the workers inherit the session's
     os.environ["VEGAS_JAX_COMPILE_CACHE"] = tempfile.mkdtemp(prefix="vegas-xla-")
 # JAX's own persistent cache for every test process (this one, the xdist workers, the
-# subprocesses and notebook kernels they start: they inherit the environment): a program a
-# module compiled is loaded, not compiled again, by the next module that asks for it
-# (`_release_compiled_code` drops the in-memory ones after each module). Its own directory,
-# apart from the commands' cache above, which test_cli checks.
+# subprocesses and notebook kernels they start: they inherit the environment): a program
+# one process compiled is loaded, not compiled again, by another that asks for it, or by
+# its own after `_release_compiled_code` dropped it. Its own directory, apart from the
+# commands' cache above, which test_cli checks.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="vegas-jax-tests-")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 
 import pytest  # noqa: E402
 
-
-# The files that take longest, longest first: the two workers (`--dist loadfile
-# --no-loadscope-reorder` hands out files in this order) then end together, the short
-# files filling in. The notebooks' test runs three kernels: both cores while it lasts.
-FIRST = ("test_notebooks.py", "test_exact.py", "test_speculative.py", "test_quant_drafts.py",
-         "test_smollm2_speculative.py", "test_sparse_attention.py", "test_auto_cpu.py",
-         "test_quant_matmul.py", "test_tau_study.py", "test_verify_attention.py",
-         "test_cli.py", "test_kernels_bench.py", "test_generate.py", "test_gpt_oss.py")
-
-
-def pytest_collection_modifyitems(items):
-    rank = {name: i for i, name in enumerate(FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(FIRST)))  # stable
+MAX_MAPS = 30000  # memory maps of a test process past which compiled programs are dropped
 
 
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_code():
-    """Drop JAX's compiled executables after each test module. Each one XLA compiles for
-    the CPU maps its code into the process: the whole suite in one process passed Linux's
-    limit of 65530 memory maps (vm.max_map_count) and died with a segmentation fault in
-    the last module (2026-12-01: ~3700 maps a minute in test_speculative); clearing
-    returns them (1099 -> 512 maps after 200 small compiles)."""
+    """Drop JAX's compiled executables after a test module once the process holds many
+    memory maps. Each one XLA compiles for the CPU maps its code into the process: the
+    whole suite in one process passed Linux's limit of 65530 (vm.max_map_count) and died
+    with a segmentation fault (2026-12-01); clearing returns them. Below the threshold the
+    next modules reuse the programs they share, with no tracing or compiling again."""
     yield
     import gc
 
     import jax
 
-    jax.clear_caches()
-    gc.collect()
+    try:
+        with open("/proc/self/maps") as fh:
+            maps = sum(1 for _ in fh)
+    except OSError:  # not Linux: clear always
+        maps = MAX_MAPS
+    if maps >= MAX_MAPS:
+        jax.clear_caches()
+        gc.collect()
 
 # ---------------------------------------------------------------------------------------
 # Tiny random HF checkpoints (real safetensors files written by transformers)

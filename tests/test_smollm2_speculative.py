@@ -1,7 +1,7 @@
 """Lossless on real weights: SmolLM2-135M (fp32, CPU), prompts of real text of about 66,
 300 and 550 tokens in one batch: greedy speculative output equals vanilla greedy token
 for token, over many rounds with partial acceptance, with the model's own draft weights
-and with int8 and int4 ones.
+and with int4 ones.
 
 At sparsity 0.15 and a floor of 70 tokens: the 66-token prompt starts below the floor
 (every draft selects its whole context) and grows past it; the ~300-token one sits on
@@ -59,17 +59,17 @@ def test_greedy_matches_vanilla_on_real_weights(setup, runs):
 
 
 def test_quantized_drafts_equal_vanilla_and_are_accepted(setup, runs, monkeypatch):
-    """int8 and int4 drafts (hidden 576: int4 groups of 64) emit vanilla's tokens, their
-    drafts mostly accepted; the copy `load_model`'s model made is made once a format."""
+    """int4 drafts (hidden 576: groups of 64; the coarser format: int8's acceptance on
+    these weights is the tau study's) emit vanilla's tokens, their drafts mostly accepted;
+    the copy `load_model`'s model made is made once."""
     from vegas_jax import quant
 
     model, _, ref = setup
     made = []
     real = quant.quantize_params
     monkeypatch.setattr(quant, "quantize_params", lambda p, f: made.append(f) or real(p, f))
-    taus = {fmt: runs("vegas", fmt).stats["tau"] for fmt in ("same", "int8", "int4")}
-    for fmt in ("int8", "int4"):
-        assert runs("vegas", fmt).tokens == ref.tokens, fmt
+    res = runs("vegas", "int4")
+    assert res.tokens == ref.tokens
     quant.draft_params(model, "int4", model.exec_config)  # what the next int4 run reads
-    assert made == ["int8", "int4"]
-    assert taus["int4"] > 2 and taus["int8"] > 0.9 * taus["same"], taus
+    assert made == ["int4"]
+    assert 2 < res.stats["tau"] < runs("vegas").stats["tau"]
